@@ -1,0 +1,244 @@
+"""``kvbridge`` command line: parses, calls the library, turns errors into messages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import KVBridgeError
+
+EPILOG = "Models are local folders or hub ids (pin them with --source-revision/--target-revision)."
+
+
+def _add_pair(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--source", required=True, help="small model that prefills (folder or hub id)")
+    g.add_argument("--target", required=True, help="large model that continues (folder or hub id)")
+    g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument("--target-device", help="put the target on another device than the source")
+    g.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="Cross-model KV-cache transfer: a small model prefills, a linear mapper converts its cache, "
+                    "a larger model of the same family continues without prefilling.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    fit = sub.add_parser("fit", help="fit a mapper from source to target on calibration texts",
+                         description="Capture both models' KV caches on the same texts, accumulate statistics in one "
+                                     "pass, select source layers and solve a closed-form affine ridge map per target "
+                                     "layer for keys and values. Writes an artifact folder and verifies it.",
+                         epilog=EPILOG)
+    _add_pair(fit)
+    fit.add_argument("--texts", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
+    fit.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
+    fit.add_argument("--num-texts", type=int, default=64, help="calibration sequences (default: 64; the seed used 500)")
+    fit.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence (default: 256; seed 1024)")
+    fit.add_argument("--stride", type=int, default=4, help="observe every S-th token (default: 4)")
+    fit.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
+    fit.add_argument("--ridge", type=float, default=0.01,
+                     help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
+    fit.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    fit.add_argument("--heldout-texts", type=int, default=4,
+                     help="extra sequences after the calibration ones, for held-out R² (default: 4; 0 to skip)")
+    fit.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gen = sub.add_parser("generate", help="answer a prompt from a mapped cache (optionally beside native)",
+                         description="The source prefills the prompt except its last token(s), the mapper builds the "
+                                     "target's cache, the target generates.", epilog=EPILOG)
+    _add_pair(gen)
+    gen.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    gen.add_argument("--mapper-revision", help="hub revision of the mapper")
+    gen.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    gen.add_argument("--prompt", required=True, action="append",
+                     help="prompt text; repeat for a batch of prompts (different lengths are fine)")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--hold-back", type=int, default=1, help="last prompt tokens the target reads itself (default: 1)")
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (with --sample)")
+    gen.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
+    gen.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
+    gen.add_argument("--allow-revision-mismatch", action="store_true",
+                     help="accept models whose revision differs from the mapper's record (geometry must still match)")
+
+    ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
+    ins.add_argument("mapper", help="mapper folder or hub id")
+    ins.add_argument("--revision", help="hub revision of the mapper")
+    ins.add_argument("--json", action="store_true", help="print mapper.json instead of the summary")
+
+    ver = sub.add_parser("verify", help="check a mapper's files, checksums and tensor shapes (exit 1 on any problem)")
+    ver.add_argument("mapper", help="mapper folder or hub id")
+    ver.add_argument("--revision", help="hub revision of the mapper")
+    return parser
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _cmd_fit(args) -> int:
+    from .artifact import check_weights, verify_artifact
+    from .fit import FitConfig, fit_mapper
+    from .hashing import sha256_file
+    from .models import load_model, resolve_dtype
+    from .stats import read_texts
+
+    config = FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
+                       ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts)
+    texts = read_texts(args.texts)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KVBridgeError(f"--out {out} exists and is not a folder.")
+    dtype = resolve_dtype(args.dtype, args.device)
+    _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {args.device})")
+    source = load_model(args.source, args.source_revision, args.device, dtype)
+    target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
+    mapper = fit_mapper(source, target, texts, config, corpus_sha256=sha256_file(args.texts), progress=not args.quiet)
+    mapper.save_pretrained(out)
+    problems = verify_artifact(out) + check_weights(out, mapper.config)
+    if problems:
+        raise KVBridgeError(f"the artifact written to {out} does not verify: {'; '.join(problems)}")
+    f = mapper.config.fit
+    gib = f["peak_memory_bytes"] / 2**30
+    print(f"fitted {mapper.config.num_parameters():,} parameters in {f['fit_seconds']:.1f} s "
+          f"({f['observations']:,} observations, {f['observations_per_second']:,.0f} obs/s, "
+          f"statistics {f['statistics_gflop_per_second']:.2f} GFLOP/s, peak memory {gib:.2f} GiB [{f['peak_memory_kind']}])")
+    for kind in ("key", "value"):
+        line = f"  {kind:5s} R²: fit {f[f'{kind}_r2_fit_mean']:.4f}"
+        if f"{kind}_r2_heldout_mean" in f:
+            line += f", held-out {f[f'{kind}_r2_heldout_mean']:.4f}"
+        print(line)
+    print(f"saved and verified: {out}")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    import torch
+
+    from .transfer import Bridge
+
+    if args.max_new_tokens < 1:
+        raise KVBridgeError("--max-new-tokens must be at least 1.")
+    bridge = Bridge.from_pretrained(
+        args.source, args.target, args.mapper, source_revision=args.source_revision,
+        target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
+        dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
+        hold_back=args.hold_back, allow_revision_mismatch=args.allow_revision_mismatch)
+    kwargs = {}
+    if args.sample:
+        kwargs = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    runs = [("mapped", "source prefill → mapper → target")]
+    if args.compare:
+        runs.insert(0, ("native", "target prefills itself"))
+    results = {}
+    for mode, _ in runs:
+        torch.manual_seed(args.seed)
+        results[mode] = bridge.generate(args.prompt, mode=mode, max_new_tokens=args.max_new_tokens, **kwargs)
+    for i, prompt in enumerate(args.prompt):
+        print(f"=== prompt {i}: {_clip(prompt, 70)!r}")
+        for mode, label in runs:
+            g = results[mode]
+            print(f"--- {mode} ({label}), {g.seconds * 1000:.1f} ms for the batch")
+            print(g.texts[i].strip() or "(empty)")
+        if args.compare:
+            a, b = results["native"].token_ids[i], results["mapped"].token_ids[i]
+            same = sum(x == y for x, y in zip(a, b))
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            where = "identical" if first is None and len(a) == len(b) else f"first difference at token {first}"
+            print(f"--- agreement: {same}/{max(len(a), len(b))} tokens, {where}")
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from .artifact import ARTIFACT_FILES, CONFIG_FILE, config_to_json, read_config
+    from .errors import ArtifactError
+    from .hub import snapshot
+
+    directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
+    config = read_config(directory)
+    if args.json:
+        print((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"), end="")
+        return 0
+    data = config_to_json(config)
+    f = config.fit
+    print(f"mapper    {directory}")
+    for role in ("source", "target"):
+        m = getattr(config, role)
+        print(f"{role:9s} {m.name_or_path} @ {m.revision or '(local, no revision)'}  [{m.architecture}]")
+        print(f"          {m.num_layers} layers × {m.num_kv_heads} kv heads × {m.head_dim} dims; RoPE {m.rope.rope_type} "
+              f"{ {k: v for k, v in m.rope.parameters.items() if k not in ('rope_type', 'type')} }")
+    print(f"tokenizer {config.source.tokenizer_sha256[:16]}…")
+    print(f"params    {data['num_parameters']:,} ({data['num_parameters'] * 4 / 1e9:.3f} GB float32)")
+    for kind in ("key", "value"):
+        sel = config.selection[kind]
+        sizes = sorted({len(s) for s in sel})
+        print(f"{kind:9s} top_k {sizes[0] if len(sizes) == 1 else sizes}; selection per target layer: "
+              f"{_clip(str([list(s) for s in sel]), 100)}")
+    if f.get("settings"):
+        s = f["settings"]
+        print(f"fit       {s.get('num_texts')} texts × {s.get('seq_len')} tokens, stride {s.get('stride')}, "
+              f"{f.get('observations', '?'):,} observations, ridge {s.get('ridge')}, {f.get('fit_seconds', '?')} s")
+        print(f"          corpus sha256 {str(f.get('calibration_sha256', '?'))[:16]}…")
+        for kind in ("key", "value"):
+            held = f.get(f"{kind}_r2_heldout_mean")
+            print(f"R² {kind:6s} fit {f.get(f'{kind}_r2_fit_mean', float('nan')):.4f}"
+                  + (f", held-out {held:.4f}" if held is not None else ""))
+    elif f.get("kind"):
+        print(f"fit       {f['kind']}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .artifact import ARTIFACT_FILES, check_weights, read_config, verify_artifact
+    from .errors import ArtifactError
+    from .hub import snapshot
+
+    directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
+    problems = verify_artifact(directory)
+    if not problems:
+        try:
+            problems = check_weights(directory, read_config(directory))
+        except ArtifactError as exc:
+            problems = [str(exc)]
+    if problems:
+        for p in problems:
+            print(f"FAIL  {p}", file=sys.stderr)
+        print(f"{directory}: {len(problems)} problem(s). Re-download or refit the mapper.", file=sys.stderr)
+        return 1
+    print(f"OK    {directory}: checksums match, mapper.json valid, all tensor shapes as recorded")
+    return 0
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "inspect": _cmd_inspect, "verify": _cmd_verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KVBridgeError as exc:
+        print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Closed-form fit: layer selection and affine ridge solve from :mod:`kvbridge.stats`.
+
+Letters: Fs / Ft features of one source / target layer (H·D), S the selected source layers.
+
+Ridge scaling (recorded in ``mapper.json`` as ``ridge_scaling``): for target layer ``l`` with
+selected features ``S``::
+
+    λ_eff = ridge · mean(diag(G_SS))          G = Σ (x − x̄)(x − x̄)ᵀ   (sums, not averages)
+    W     = (G_SS + λ_eff I)⁻¹ C_S,l           C = Σ (x − x̄)(y − ȳ)ᵀ
+    b     = ȳ_l − x̄_S W
+
+so ``ridge`` is relative to the average feature variance and independent of the number of
+observations. The solve is a float64 Cholesky; when G_SS + λ_eff I is not positive definite or
+numerically singular (e.g. ridge 0 with collinear features: squared pivot ratio below 1e-12),
+λ_eff is raised tenfold (from at least 1e-10 · mean diagonal) until it is, and the ridge actually
+used is recorded per layer.
+
+R² of a layer pools its features: ``1 − SSE / SST`` with ``SST = Σ (y − ȳ)²`` over all of its
+features, ``SSE`` the residual sum of squares, computed from the same statistics (fit data).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .errors import FitError, InputError
+from .mapper import KINDS, Mapper, MapperConfig, layer_features
+from .models import LoadedModel, content_kv
+from .stats import (
+    CalibrationStats,
+    KVStats,
+    calibration_sequences,
+    collect_statistics,
+    iter_batches,
+)
+
+RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
+_MAX_RIDGE_RAISES = 12
+_MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Settings of a fit; validated on construction."""
+
+    num_texts: int = 64
+    seq_len: int = 256
+    stride: int = 4
+    top_k: int | None = None  # None: every source layer
+    ridge: float = 0.01
+    batch_size: int = 4
+    heldout_texts: int = 4
+
+    def __post_init__(self):
+        if self.num_texts < 1:
+            raise InputError("--num-texts must be at least 1.")
+        if self.seq_len < 2:
+            raise InputError("--seq-len must be at least 2.")
+        if self.stride < 1 or self.stride > self.seq_len:
+            raise InputError(f"--stride must be between 1 and --seq-len ({self.seq_len}).")
+        if self.top_k is not None and self.top_k < 1:
+            raise InputError("--top-k must be at least 1.")
+        if not self.ridge >= 0:
+            raise InputError("--ridge must be a number >= 0.")
+        if self.batch_size < 1:
+            raise InputError("--batch-size must be at least 1.")
+        if self.heldout_texts < 0:
+            raise InputError("--heldout-texts must be >= 0.")
+
+
+def _layer_slice(layer: int, features: int) -> slice:
+    return slice(layer * features, (layer + 1) * features)
+
+
+def _feature_index(layers: tuple[int, ...], features: int, device) -> torch.Tensor:
+    return torch.cat([torch.arange(l * features, (l + 1) * features, device=device) for l in layers])
+
+
+def _cholesky_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
+    """Solve (A + λ I) W = rhs with λ = ridge · mean(diag A), raising λ if A + λI is not PD."""
+    scale = float(torch.diagonal(a).mean())
+    if not torch.isfinite(a).all() or not torch.isfinite(rhs).all():
+        raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
+                       "(try --dtype float32).")
+    if scale <= 0:
+        raise FitError("the selected source features have zero variance on the calibration data; "
+                       "use more varied texts.")
+    lam = ridge * scale
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    for _ in range(_MAX_RIDGE_RAISES):
+        factor, info = torch.linalg.cholesky_ex(a + lam * eye)
+        if int(info) == 0:
+            # A factorisation can "succeed" on a numerically singular matrix and return huge weights;
+            # the squared pivot ratio estimates the reciprocal condition number cheaply.
+            pivots = torch.diagonal(factor)
+            if float((pivots.min() / pivots.max()) ** 2) > _MIN_RCOND:
+                w = torch.cholesky_solve(rhs, factor)
+                if torch.isfinite(w).all():
+                    return w, lam / scale
+        lam = max(lam * 10.0, 1e-10 * scale)
+    raise FitError(f"the Gram matrix stays singular even with ridge {lam / scale:.1e}; pass a larger --ridge.")
+
+
+def _pooled_r2(w: torch.Tensor, c: torch.Tensor, gw: torch.Tensor, sst: torch.Tensor) -> float:
+    """In-sample R² of ŷ = (x − x̄)W for one target layer from statistics: w, c, gw = G·w (F, Ft)."""
+    sse = sst - 2 * (w * c).sum() + (w * gw).sum()
+    return float(1.0 - sse / sst) if sst > 0 else float("nan")
+
+
+def single_layer_r2(stats: KVStats, fs: int, ls: int, ft: int, lt: int, ridge: float) -> torch.Tensor:
+    """(Ls, Lt) in-sample ridge R² of predicting each target layer from each single source layer."""
+    scores = torch.empty(ls, lt, dtype=torch.float64)
+    for s in range(ls):
+        rows = _layer_slice(s, fs)
+        g = stats.gram[rows, rows]
+        w, _ = _cholesky_solve(g, stats.cross[rows], ridge)  # (Fs, Lt·Ft)
+        gw = g @ w
+        for l in range(lt):
+            cols = _layer_slice(l, ft)
+            scores[s, l] = _pooled_r2(w[:, cols], stats.cross[rows, cols], gw[:, cols], stats.ssq_y[cols].sum())
+    return scores
+
+
+def select_layers(scores: torch.Tensor, top_k: int) -> tuple[tuple[int, ...], ...]:
+    """Per target layer, the ``top_k`` source layers with the best single-layer R² (sorted by id)."""
+    ls, lt = scores.shape
+    k = min(top_k, ls)
+    return tuple(tuple(sorted(torch.topk(scores[:, l], k).indices.tolist())) for l in range(lt))
+
+
+def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, ridge: float):
+    """Select layers and solve the affine ridge maps for K and V.
+
+    Returns ``(weights, selection, report)`` with float32 weights named as in the artifact.
+    """
+    fs, ls = source_info.kv_features, source_info.num_layers
+    ft, lt = target_info.kv_features, target_info.num_layers
+    k = ls if top_k is None else min(top_k, ls)
+    weights: dict[str, torch.Tensor] = {}
+    selection: dict[str, tuple[tuple[int, ...], ...]] = {}
+    report: dict[str, dict] = {}
+    for kind in KINDS:
+        s: KVStats = getattr(stats, kind)
+        if k == ls:
+            chosen = tuple(tuple(range(ls)) for _ in range(lt))
+            scores = None
+        else:
+            scores = single_layer_r2(s, fs, ls, ft, lt, ridge)
+            chosen = select_layers(scores, k)
+        selection[kind] = chosen
+        r2 = [0.0] * lt
+        used_ridge = [ridge] * lt
+        by_selection: dict[tuple[int, ...], list[int]] = {}
+        for l, layers in enumerate(chosen):
+            by_selection.setdefault(layers, []).append(l)
+        for layers, targets in by_selection.items():
+            idx = _feature_index(layers, fs, s.gram.device)
+            g = s.gram.index_select(0, idx).index_select(1, idx)
+            cols = torch.cat([torch.arange(l * ft, (l + 1) * ft, device=s.gram.device) for l in targets])
+            c = s.cross.index_select(0, idx).index_select(1, cols)
+            w, effective = _cholesky_solve(g, c, ridge)  # (S·Fs, n·Ft) float64
+            gw = g @ w
+            for i, l in enumerate(targets):
+                block = slice(i * ft, (i + 1) * ft)
+                r2[l] = _pooled_r2(w[:, block], c[:, block], gw[:, block], s.ssq_y[_layer_slice(l, ft)].sum())
+                used_ridge[l] = effective
+                wl = w[:, block]
+                bias = s.mean_y[_layer_slice(l, ft)] - s.mean_x.index_select(0, idx) @ wl
+                weights[f"{kind}.{l}.weight"] = wl.float().cpu().contiguous()
+                weights[f"{kind}.{l}.bias"] = bias.float().cpu().contiguous()
+        report[kind] = {
+            "r2_fit": r2,
+            "r2_fit_mean": sum(r2) / lt,
+            "ridge_used": used_ridge,
+            "single_layer_r2": None if scores is None else [[round(float(v), 6) for v in row] for row in scores],
+        }
+    return weights, selection, report
+
+
+@torch.no_grad()
+def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequences: torch.Tensor,
+               batch_size: int = 4) -> dict[str, list[float]]:
+    """Per target layer pooled R² of the mapper on held-out sequences, measured by running its hot path."""
+    lt, ft = target.info.num_layers, target.info.kv_features
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+    sums = {kind: {"sse": zeros(lt), "sy": zeros(lt, ft), "syy": zeros(lt, ft)} for kind in KINDS}
+    for batch in iter_batches(sequences, batch_size):
+        mask = torch.ones_like(batch)
+        sk, sv, _ = content_kv(source.model, batch, mask)
+        tk, tv, _ = content_kv(target.model, batch, mask)
+        mk, mv = mapper.map([k.to(mapper.device) for k in sk], [v.to(mapper.device) for v in sv])
+        for kind, mapped, native in (("key", mk, tk), ("value", mv, tv)):
+            y = layer_features(native).double().cpu()  # (B, T, Lt, Ft)
+            err = y - layer_features(mapped).double().cpu()
+            sums[kind]["sse"] += (err * err).sum(dim=(0, 1, 3))
+            sums[kind]["sy"] += y.sum(dim=(0, 1))
+            sums[kind]["syy"] += (y * y).sum(dim=(0, 1))
+    n = sequences.numel()
+    result = {}
+    for kind in KINDS:
+        sy, syy = sums[kind]["sy"], sums[kind]["syy"]
+        sst = (syy - sy * sy / n).sum(1)
+        result[kind] = [float(v) for v in 1.0 - sums[kind]["sse"] / sst]
+    return result
+
+
+def _peak_memory_bytes(device) -> int:
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], config: FitConfig,
+               corpus_sha256: str | None = None, progress: bool = True) -> Mapper:
+    """Fit a mapper from ``source`` to ``target`` on ``texts`` (the last ``heldout_texts`` sequences held out)."""
+    from .hashing import sha256_texts
+    from .models import check_same_tokenizer
+
+    check_same_tokenizer(source.info, target.info)
+    device = target.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    total = config.num_texts + config.heldout_texts
+    sequences = calibration_sequences(target.tokenizer, texts, total, config.seq_len)
+    fit_seqs, held_seqs = sequences[: config.num_texts], sequences[config.num_texts :]
+    start = time.perf_counter()
+    stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size, device, progress)
+    solve_start = time.perf_counter()
+    weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge)
+    solve_seconds = time.perf_counter() - solve_start
+    fit_seconds = time.perf_counter() - start
+    fit_info = {
+        "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
+        "ridge_scaling": RIDGE_SCALING,
+        "observations": stats.observations,
+        "tokens": stats.tokens,
+        "calibration_sha256": corpus_sha256 or sha256_texts(texts),
+        "calibration_token_ids_sha256": _ids_sha(fit_seqs),
+        "fit_seconds": round(fit_seconds, 3),
+        "solve_seconds": round(solve_seconds, 3),
+        "observations_per_second": round(stats.observations / max(stats.seconds, 1e-9), 1),
+        "statistics_gflop_per_second": round(stats.update_flops() / max(stats.seconds, 1e-9) / 1e9, 3),
+        "peak_memory_bytes": _peak_memory_bytes(device),
+        "peak_memory_kind": "device allocator" if device.type == "cuda" else "process RSS (CPU)",
+        "device": str(device),
+        "model_dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
+    }
+    for kind in KINDS:
+        fit_info[f"{kind}_r2_fit"] = report[kind]["r2_fit"]
+        fit_info[f"{kind}_r2_fit_mean"] = report[kind]["r2_fit_mean"]
+        fit_info[f"{kind}_ridge_used"] = report[kind]["ridge_used"]
+        if report[kind]["single_layer_r2"] is not None:
+            fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
+    mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info), weights)
+    if held_seqs.shape[0]:
+        held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
+        for kind in KINDS:
+            fit_info[f"{kind}_r2_heldout"] = held[kind]
+            fit_info[f"{kind}_r2_heldout_mean"] = sum(held[kind]) / len(held[kind])
+        fit_info["heldout_sequences"] = int(held_seqs.shape[0])
+    return mapper
+
+
+def _ids_sha(ids: torch.Tensor) -> str:
+    from .hashing import sha256_bytes
+
+    return sha256_bytes(ids.to(torch.int64).contiguous().numpy().tobytes())

@@ -1,0 +1,287 @@
+"""Loading model pairs: text-only decoders, identity and geometry. The only module that knows
+transformers' loading internals.
+
+Ministral-3 checkpoints are multimodal (``Mistral3ForConditionalGeneration``). Loading them with a
+text-only class "succeeds" with every weight left random, so we load the text config, map the
+language-model weight names onto the causal-LM names, skip the vision tower, and fail loudly if any
+decoder weight is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .errors import CompatibilityError, ModelLoadError
+from .hashing import sha256_json
+from .hub import snapshot
+from .rope import RopeSpec, rope_spec
+
+# Weight files a causal LM needs; Mistral repos also ship `consolidated.safetensors` (same weights,
+# another layout) which we must not download twice.
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template*",
+]
+
+# Multimodal wrappers store the decoder under these prefixes.
+_TEXT_KEY_MAPPING = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Identity and KV geometry of a loaded model, as recorded in and checked against ``mapper.json``."""
+
+    name_or_path: str
+    revision: str | None
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    rope: RopeSpec
+    tokenizer_sha256: str
+
+    @property
+    def kv_features(self) -> int:
+        """Features of one layer's keys (or values): all KV heads concatenated, H·D."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["rope"] = self.rope.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelInfo":
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        fields["rope"] = RopeSpec.from_dict(data["rope"])
+        return cls(**fields)
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """``auto``/None: bfloat16 on accelerators, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+    if dtype not in names:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}.")
+    return names[dtype]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of everything that decides how text becomes ids (model, merges, normalizer, specials)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return sha256_json(json.loads(backend.to_str()))
+    return sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_ids})
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+
+
+def _text_config(local_dir):
+    """The decoder config; for a multimodal repo, its text part plus whether names need mapping."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(local_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {local_dir}: {exc}") from None
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return config, False
+    # Tying is decided by the top-level config of a multimodal repo (Ministral-3 3B ties, 8B does not).
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text, True
+
+
+def load_model(
+    id_or_path: str,
+    revision: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load a text-only causal LM and its tokenizer from a folder or a hub id (pinned revision)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
+    config, multimodal = _text_config(local_dir)
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
+    if multimodal:
+        kwargs["key_mapping"] = _TEXT_KEY_MAPPING
+    with _quiet_transformers():
+        try:
+            model, report = AutoModelForCausalLM.from_pretrained(local_dir, **kwargs)
+        except ValueError as exc:
+            raise ModelLoadError(f"{id_or_path!r} is not a causal language model transformers can load: {exc}") from None
+        except OSError as exc:
+            raise ModelLoadError(f"cannot load weights of {id_or_path!r}: {exc}") from None
+    missing = sorted(report.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(
+            f"{id_or_path!r} loaded with {len(missing)} decoder weights missing (e.g. {missing[0]!r}); they would "
+            "be random. The checkpoint's weight names do not match its architecture: check that the folder "
+            "holds the full model, or that the multimodal layout is one kvbridge knows."
+        )
+    model.eval().to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {id_or_path!r}: {exc}") from None
+    info = ModelInfo(
+        name_or_path=str(id_or_path),
+        revision=commit,
+        architecture=type(model).__name__,
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        rope=rope_spec(model),
+        tokenizer_sha256=tokenizer_fingerprint(tokenizer),
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def check_same_tokenizer(source: ModelInfo, target: ModelInfo) -> None:
+    if source.tokenizer_sha256 != target.tokenizer_sha256:
+        raise CompatibilityError(
+            f"the tokenizers of {source.name_or_path!r} and {target.name_or_path!r} differ "
+            f"({source.tokenizer_sha256[:12]} vs {target.tokenizer_sha256[:12]}): a KV cache can only be "
+            "transferred between models that read the same token ids. Pick two models of one family."
+        )
+
+
+def check_matches(loaded: ModelInfo, recorded: ModelInfo, role: str, allow_revision_mismatch: bool = False) -> None:
+    """Refuse a loaded model that is not the one a mapper was fitted for.
+
+    Geometry, RoPE and tokenizer must match, always. The revision (and, for hub ids, the repo id)
+    must match unless ``allow_revision_mismatch``: then the caller accepts that the weights may differ.
+    """
+    if loaded.geometry != recorded.geometry:
+        raise CompatibilityError(
+            f"{role} model {loaded.name_or_path!r} has KV geometry (layers, kv heads, head dim) = {loaded.geometry} "
+            f"but the mapper was fitted for {recorded.geometry} ({recorded.name_or_path!r}). A mapper cannot be "
+            "applied to another geometry: use the matching model or fit a new mapper."
+        )
+    if loaded.rope.to_dict() != recorded.rope.to_dict():
+        raise CompatibilityError(
+            f"{role} model {loaded.name_or_path!r} uses RoPE {loaded.rope.to_dict()} but the mapper recorded "
+            f"{recorded.rope.to_dict()}. Use the model the mapper was fitted for, or refit."
+        )
+    if loaded.tokenizer_sha256 != recorded.tokenizer_sha256:
+        raise CompatibilityError(
+            f"{role} model {loaded.name_or_path!r} has a different tokenizer than the one the mapper was fitted "
+            "with. Use the matching model, or refit."
+        )
+    if allow_revision_mismatch:
+        return
+    problems = []
+    if recorded.revision and loaded.revision != recorded.revision:
+        problems.append(f"revision {loaded.revision or 'unknown (local folder)'} != recorded {recorded.revision}")
+    if _is_hub_id(loaded.name_or_path) and _is_hub_id(recorded.name_or_path) and loaded.name_or_path != recorded.name_or_path:
+        problems.append(f"repo {loaded.name_or_path!r} != recorded {recorded.name_or_path!r}")
+    if problems:
+        raise CompatibilityError(
+            f"{role} model is not the checkpoint the mapper was fitted for: {'; '.join(problems)}. Load the "
+            "recorded revision, or pass --allow-revision-mismatch (allow_revision_mismatch=True) to accept "
+            "possibly lower quality."
+        )
+
+
+def _is_hub_id(name: str) -> bool:
+    from pathlib import Path
+
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+# -- running models: prefill and caches (transformers' cache layout is known only here) ------------
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch, as ``generate`` computes them (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``."""
+    device = next(model.parameters()).device
+    if position_ids is None:
+        position_ids = positions_from_mask(attention_mask)
+    out = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=True,
+    )
+    return out.cache, out.logits
+
+
+def cache_kv(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer (B, H, T, D) keys (RoPE applied) and values of a transformers cache."""
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def make_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """A transformers ``DynamicCache`` for ``model`` from per-layer rotated keys and values."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=list(zip(keys, values)), config=model.config)
+
+
+@torch.no_grad()
+def content_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Prefill and return content keys (RoPE removed, float32) and values per layer, plus positions.
+
+    Returns ``(keys, values, position_ids)`` with Ls tensors (B, H, T, D) each.
+    """
+    from .rope import remove_rope, rotary_factors
+
+    position_ids = positions_from_mask(attention_mask)
+    cache, _ = prefill(model, input_ids, attention_mask, position_ids)
+    keys, values = cache_kv(cache)
+    cos, sin = rotary_factors(model, position_ids)
+    cos, sin = cos.to(keys[0].device), sin.to(keys[0].device)
+    return [remove_rope(k.float(), cos, sin) for k in keys], values, position_ids

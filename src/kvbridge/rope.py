@@ -1,0 +1,153 @@
+"""Content space: remove and re-apply rotary position embeddings (RoPE) on cached keys.
+
+Cached keys carry RoPE; a linear map between two models is only meaningful on the *content* keys
+(RoPE removed), because the two models rotate with different frequencies. We never re-derive a RoPE
+formula: the cos/sin come from the model's own rotary module at the given positions, which already
+includes any scaling (linear, dynamic, llama3, YaRN's attention factor).
+
+Letters: B batch, H kv heads, T tokens, D head dim.
+
+Half-split layout (Llama, Mistral, Ministral3, Qwen2, Qwen3):
+    rotated = k * cos + rotate_half(k) * sin
+    k       = (rotated * cos - rotate_half(rotated) * sin) / (cos**2 + sin**2)
+The inverse holds because cos/sin repeat across the two halves, so they commute with rotate_half,
+and rotate_half∘rotate_half = -1. ``cos**2 + sin**2`` equals the squared attention scaling (1.0 for
+plain RoPE, YaRN's mscale² otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedModelError
+
+# Architectures whose attention rotates full keys with the half-split `rotate_half` layout.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3")
+# RoPE types whose cos/sin are a pure function of position (given the sequence length for "dynamic").
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """What a model's RoPE is, as recorded in ``mapper.json`` and compared on load."""
+
+    model_type: str
+    rope_type: str
+    head_dim: int
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_type": self.model_type,
+            "rope_type": self.rope_type,
+            "head_dim": self.head_dim,
+            "parameters": dict(self.parameters),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RopeSpec":
+        return cls(
+            model_type=str(data["model_type"]),
+            rope_type=str(data["rope_type"]),
+            head_dim=int(data["head_dim"]),
+            parameters=dict(data.get("parameters", {})),
+        )
+
+
+def _rope_parameters(config) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict):  # per-layer-type RoPE (e.g. Gemma) is a dict of dicts
+        params = dict(params)
+    return {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def rope_spec(model) -> RopeSpec:
+    """Describe ``model``'s RoPE and refuse layouts that cannot be un-rotated exactly."""
+    config = model.config
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported: kvbridge maps keys exactly only for the "
+            f"half-split RoPE layout of {', '.join(SUPPORTED_MODEL_TYPES)}. Other layouts (interleaved, "
+            "partial rotary, multi-head latent attention) would be mapped wrongly without an error."
+        )
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} of this {model_type} model is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
+        )
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(
+            f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported: only keys "
+            "rotated over their full head dimension can be mapped exactly."
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    spec = RopeSpec(model_type=model_type, rope_type=rope_type, head_dim=int(head_dim), parameters=params)
+    # The layout check is cheap: ask the module itself for two positions.
+    cos, _ = rotary_factors(model, torch.arange(2).unsqueeze(0))
+    if cos.shape[-1] != spec.head_dim or not torch.equal(cos[..., : head_dim // 2], cos[..., head_dim // 2 :]):
+        raise UnsupportedModelError(
+            f"the rotary module of this {model_type} model does not produce half-split cos/sin over the "
+            f"full head dimension ({tuple(cos.shape)} for head_dim {head_dim}); refusing to map it."
+        )
+    return spec
+
+
+def rotary_module(model):
+    """The model's single rotary embedding module (``model.model.rotary_emb`` for causal LMs)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no shared rotary module (`rotary_emb`); kvbridge needs the "
+            "model's own RoPE to remove it from cached keys."
+        )
+    return rotary
+
+
+@torch.no_grad()
+def rotary_factors(model, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B, T, D) in float32 from the model's own rotary module at ``position_ids``."""
+    rotary = rotary_module(model)
+    device = next(iter(rotary.buffers()), torch.empty(0)).device
+    probe = torch.empty(0, dtype=torch.float32, device=device)  # only sets dtype/device
+    cos, sin = rotary(probe, position_ids.to(device))
+    return cos.float(), sin.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate content keys ``k`` (B, H, T, D) with cos/sin (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D) broadcast over heads
+    return k * cos + rotate_half(k) * sin
+
+
+def remove_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`apply_rope`: content keys from rotated keys (B, H, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (k * cos - rotate_half(k) * sin) / (cos * cos + sin * sin)
+
+
+def query_scale(model, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Position-dependent query scaling some models apply after RoPE (Ministral3's llama-4 scaling).
+
+    Returns (B, 1, T, 1) or ``None`` when the model does not scale queries. Keys are never scaled,
+    so mapping ignores this; attention diagnostics must apply it to queries.
+    """
+    params = getattr(model.config, "rope_parameters", None) or {}
+    beta = params.get("llama_4_scaling_beta") if isinstance(params, dict) else None
+    if getattr(model.config, "model_type", "") != "ministral3" or beta is None:
+        return None
+    original = params["original_max_position_embeddings"]
+    scale = 1 + beta * torch.log1p(torch.floor(position_ids.float() / original))
+    return scale[:, None, :, None]

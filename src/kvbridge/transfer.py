@@ -1,0 +1,195 @@
+"""Runtime handoff: the source prefills, the mapper builds the target's cache, the target continues.
+
+Letters: B batch, T prompt tokens (left-padded), m held-back tokens, K continuation tokens.
+
+For a left-padded batch of prompts (B, T), the source prefills columns ``[0, T − m)``; the mapper
+turns its content KV into the target's content KV; the target's own RoPE is applied at the same
+positions (``cumsum(mask) − 1``, as ``generate`` computes them), and the result becomes a
+transformers ``DynamicCache``. The target then consumes the last ``m`` prompt tokens natively —
+through ``generate`` (which feeds only the columns the cache does not cover) or through a scoring
+forward pass — so its first output always comes from its own computation on real tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .errors import InputError
+from .mapper import Mapper
+from .models import (
+    LoadedModel,
+    check_same_tokenizer,
+    content_kv,
+    make_cache,
+    positions_from_mask,
+    prefill,
+)
+from .rope import apply_rope, rotary_factors
+
+Mode = Literal["mapped", "native", "source"]
+MODES = ("mapped", "native", "source")
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    token_ids: list[list[int]]
+    seconds: float
+
+
+class Bridge:
+    """A source model, a target model and a mapper between them, checked to belong together."""
+
+    def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int = 1,
+                 allow_revision_mismatch: bool = False):
+        if hold_back < 1:
+            raise InputError("hold_back must be >= 1: the target must consume at least the last prompt token itself.")
+        check_same_tokenizer(source.info, target.info)
+        mapper.check_models(source.info, target.info, allow_revision_mismatch)
+        self.source, self.target, self.mapper, self.hold_back = source, target, mapper, hold_back
+        self.tokenizer = target.tokenizer
+
+    @classmethod
+    def from_pretrained(cls, source: str, target: str, mapper: str, *, source_revision: str | None = None,
+                        target_revision: str | None = None, mapper_revision: str | None = None,
+                        device: str = "cpu", dtype: str | torch.dtype | None = None,
+                        mapper_device: str | None = None, target_device: str | None = None,
+                        hold_back: int = 1, allow_revision_mismatch: bool = False) -> "Bridge":
+        from .models import load_model, resolve_dtype
+
+        torch_dtype = resolve_dtype(dtype, device)
+        m = Mapper.from_pretrained(mapper, revision=mapper_revision, device=mapper_device or device, dtype=torch_dtype)
+        s = load_model(source, source_revision, device, torch_dtype)
+        t = load_model(target, target_revision, target_device or device, torch_dtype)
+        return cls(s, t, m, hold_back, allow_revision_mismatch)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise InputError("no prompt given.")
+        rows = []
+        for i, prompt in enumerate(prompts):
+            if not prompt or not prompt.strip():
+                raise InputError(f"prompt {i} is empty; give the context to prefill.")
+            rows.append(self.tokenizer(prompt)["input_ids"])
+        return self.pad(rows, max_new_tokens)
+
+    def pad(self, rows: list[list[int]], max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        limit = min(self.source.info.max_positions or 10**12, self.target.info.max_positions or 10**12)
+        for i, row in enumerate(rows):
+            if len(row) <= self.hold_back:
+                raise InputError(
+                    f"prompt {i} has {len(row)} tokens; a transfer needs more than hold_back={self.hold_back} "
+                    "(the source prefills the rest). Give a longer prompt or a smaller hold-back."
+                )
+            if len(row) + max_new_tokens > limit:
+                raise InputError(
+                    f"prompt {i} has {len(row)} tokens (+{max_new_tokens} to generate), more than the {limit} "
+                    "positions these models support. Shorten the prompt or generate fewer tokens."
+                )
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+        return ids, mask
+
+    # -- caches ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
+        """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill."""
+        keys, values, positions = content_kv(self.source.model, ids, mask)
+        mk, mv = self.mapper.map([k.to(self.mapper.device) for k in keys], [v.to(self.mapper.device) for v in values])
+        device, dtype = self.target.device, next(self.target.model.parameters()).dtype
+        cos, sin = rotary_factors(self.target.model, positions.to(device))
+        tk = [apply_rope(k.to(device, torch.float32), cos, sin).to(dtype) for k in mk]
+        tv = [v.to(device, dtype) for v in mv]
+        return make_cache(self.target.model, tk, tv)
+
+    def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
+        """The model that continues and its cache over all but the last ``hold_back`` columns."""
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
+        cut = ids.shape[1] - self.hold_back
+        prefix_ids, prefix_mask = ids[:, :cut], mask[:, :cut]
+        if mode == "mapped":
+            return self.target.model, self.mapped_cache(prefix_ids, prefix_mask)
+        model = self.target.model if mode == "native" else self.source.model
+        return model, prefill(model, prefix_ids, prefix_mask)[0]
+
+    # -- generation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
+                 **generate_kwargs) -> Generation:
+        """Continue each prompt; ``generate_kwargs`` go to transformers ``generate`` (do_sample, top_p, …)."""
+        ids, mask = self.encode(prompts, max_new_tokens)
+        start = time.perf_counter()
+        model, cache = self.prefix_cache(mode, ids, mask)
+        device = next(model.parameters()).device
+        generate_kwargs.setdefault("do_sample", False)
+        pad_id = self.tokenizer.pad_token_id
+        generate_kwargs.setdefault("pad_token_id", self.tokenizer.eos_token_id if pad_id is None else pad_id)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+                             max_new_tokens=max_new_tokens, **generate_kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        new = out[:, ids.shape[1]:].tolist()
+        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return Generation(texts=texts, token_ids=new, seconds=seconds)
+
+    # -- scoring -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: Mode = "mapped"
+                  ) -> list[tuple[float, bool]]:
+        """Log-likelihood of each continuation given its context, and whether it is the greedy one.
+
+        The continuing model (target for ``mapped``/``native``) reads the held-back context tokens
+        and the continuation in one forward pass over the prefix cache.
+        """
+        if len(contexts) != len(continuations):
+            raise InputError("contexts and continuations must have the same length.")
+        if any(len(c) == 0 for c in continuations):
+            raise InputError("a continuation is empty; nothing to score.")
+        longest = max(len(c) for c in continuations)
+        ids, mask = self.pad(contexts, longest)
+        model, cache = self.prefix_cache(mode, ids, mask)
+        b, m = ids.shape[0], self.hold_back
+        tail = torch.full((b, m + longest), int(ids[0, -1]), dtype=torch.long)
+        tail_mask = torch.zeros((b, m + longest), dtype=torch.long)
+        tail[:, :m], tail_mask[:, :m] = ids[:, -m:], 1
+        for i, cont in enumerate(continuations):
+            tail[i, m : m + len(cont)] = torch.tensor(cont, dtype=torch.long)
+            tail_mask[i, m : m + len(cont)] = 1  # right padding after a continuation is causal-safe
+        full_mask = torch.cat([mask, tail_mask[:, m:]], dim=1)  # (B, T + K): context, then continuation
+        positions = positions_from_mask(full_mask)[:, ids.shape[1] - m:]  # (B, m + K) of the tail
+        device = next(model.parameters()).device
+        out = model(input_ids=tail.to(device), attention_mask=full_mask.to(device),
+                    position_ids=positions.to(device), cache=cache, use_cache=True)
+        logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # (B, m + K, V)
+        results = []
+        for i, cont in enumerate(continuations):
+            k = len(cont)
+            pred = logprobs[i, m - 1 : m - 1 + k]  # position j predicts continuation token j
+            target = torch.tensor(cont, device=pred.device)
+            ll = float(pred.gather(1, target[:, None]).sum())
+            greedy = bool((pred.argmax(-1) == target).all())
+            results.append((ll, greedy))
+        return results
+
+    def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[tuple[float, bool]]:
+        """Text version of :meth:`score_ids`: the context is encoded with special tokens, the continuation without."""
+        ctx = [self.tokenizer(c)["input_ids"] for c in contexts]
+        cont = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
+        return self.score_ids(ctx, cont, mode)

@@ -1,0 +1,112 @@
+"""Tiny real checkpoints built on the fly: a BPE tokenizer and randomly initialised decoders.
+
+They go through exactly the loading path of hub checkpoints (``save_pretrained`` → folder →
+``kvbridge.models.load_model``), including a multimodal Ministral-3 (``Mistral3ForConditionalGeneration``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+
+
+def corpus_texts(n: int = 400) -> list[str]:
+    """Real English text available offline: docstrings of the standard library."""
+    import collections  # noqa: E401
+    import email
+    import json
+    import logging
+    import pathlib
+    import textwrap
+    import typing
+
+    texts = []
+    for module in (collections, email, json, logging, pathlib, textwrap, typing, inspect, os):
+        for name, obj in vars(module).items():
+            doc = inspect.getdoc(obj) if not name.startswith("_") else None
+            if doc and len(doc) > 80:
+                texts.append(" ".join(doc.split()))
+    texts = sorted(set(texts))
+    return (texts * (1 + n // max(len(texts), 1)))[:n]
+
+
+def build_tokenizer(directory, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_texts(200), trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(directory)
+    return fast
+
+
+def ministral3_config(vocab: int, layers: int, hidden: int, kv_heads: int, head_dim: int, theta: float, **extra):
+    from transformers import Ministral3Config
+
+    return Ministral3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=kv_heads * 2, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        rope_parameters=dict(YARN, rope_theta=theta), **extra)
+
+
+def save_model(model, tokenizer, directory):
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(source_dir, target_dir, texts_file): 2-layer source and 3-layer target Ministral3, one tokenizer."""
+    from transformers import Ministral3ForCausalLM
+
+    root = tmp_path_factory.mktemp("pair")
+    tokenizer = build_tokenizer(root / "tok")
+    vocab = len(tokenizer)
+    torch.manual_seed(0)
+    source = Ministral3ForCausalLM(ministral3_config(vocab, 2, 48, 2, 16, theta=10000.0)).eval()
+    target = Ministral3ForCausalLM(ministral3_config(vocab, 3, 64, 4, 16, theta=50000.0)).eval()
+    texts = root / "texts.txt"
+    texts.write_text("\n".join(corpus_texts(300)) + "\n", encoding="utf-8")
+    return save_model(source, tokenizer, root / "source"), save_model(target, tokenizer, root / "target"), str(texts)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory, tiny_pair):
+    """A multimodal Mistral3ForConditionalGeneration checkpoint whose decoder is a tiny Ministral3."""
+    from transformers import (
+        AutoTokenizer,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralVisionConfig,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[1])
+    text = ministral3_config(len(tokenizer), 2, 64, 4, 16, theta=50000.0)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=16, head_dim=16)
+    torch.manual_seed(1)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=len(tokenizer) - 1,
+                            tie_word_embeddings=False)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("vlm") / "ministral3-vlm"), model

@@ -1,0 +1,64 @@
+"""End to end through the command line on two tiny Ministral3 models of different depth."""
+
+import json
+
+import pytest
+
+from kvbridge.cli import main
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_pair, tmp_path_factory):
+    source, target, texts = tiny_pair
+    out = tmp_path_factory.mktemp("fit") / "mapper"
+    code = main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out),
+                 "--num-texts", "12", "--seq-len", "64", "--stride", "2", "--top-k", "1", "--heldout-texts", "2",
+                 "--quiet"])
+    assert code == 0
+    return source, target, out
+
+
+def test_fit_writes_a_verified_artifact_with_its_report(fitted, capsys):
+    _, _, out = fitted
+    meta = json.loads((out / "mapper.json").read_text())
+    fit = meta["fit"]
+    assert meta["format_version"] == 1 and meta["source"]["num_layers"] == 2 and meta["target"]["num_layers"] == 3
+    assert meta["source"]["rope"]["parameters"]["rope_theta"] == 10000.0
+    assert meta["target"]["rope"]["parameters"]["rope_theta"] == 50000.0
+    assert all(len(sel) == 1 for sel in meta["selection"]["key"])  # --top-k 1
+    assert fit["observations"] == 12 * 32 and fit["settings"]["stride"] == 2
+    assert fit["observations_per_second"] > 0 and fit["peak_memory_bytes"] > 0
+    assert len(fit["key_r2_heldout"]) == 3 and len(fit["value_single_layer_r2"]) == 2
+    assert "mean(diag(G_SS))" in fit["ridge_scaling"] and len(fit["calibration_sha256"]) == 64
+    assert main(["verify", str(out)]) == 0
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "2 layers × 2 kv heads × 16 dims" in shown and "held-out" in shown
+
+
+def test_generate_compare_prints_both(fitted, capsys):
+    source, target, out = fitted
+    code = main(["generate", "--source", source, "--target", target, "--mapper", str(out), "--compare",
+                 "--prompt", "Return a new dictionary", "--prompt", "The logging module provides a flexible",
+                 "--max-new-tokens", "5"])
+    assert code == 0
+    shown = capsys.readouterr().out
+    assert shown.count("--- native") == 2 and shown.count("--- mapped") == 2 and "ms for the batch" in shown
+    assert "agreement:" in shown
+
+
+def test_errors_are_messages_not_tracebacks(fitted, tiny_pair, tmp_path, capsys):
+    source, target, out = fitted
+    assert main(["fit", "--source", source, "--target", target, "--texts", str(tmp_path / "none.txt"),
+                 "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists()
+    # wrong pair: the mapper expects a 2-layer source
+    assert main(["generate", "--source", target, "--target", target, "--mapper", str(out), "--prompt", "x y z"]) == 1
+    assert "geometry" in capsys.readouterr().err
+    # not enough text for the asked calibration size
+    assert main(["fit", "--source", source, "--target", target, "--texts", tiny_pair[2], "--out", str(tmp_path / "m"),
+                 "--num-texts", "100000", "--quiet"]) == 1
+    assert "lower --num-texts" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()

@@ -1,0 +1,103 @@
+"""Cache handoff exactness and the runtime's refusals."""
+
+import pytest
+import torch
+
+from kvbridge import Mapper
+from kvbridge.errors import CompatibilityError, InputError
+from kvbridge.models import load_model
+from kvbridge.transfer import Bridge
+
+PROMPTS = [
+    "Return a new dictionary initialized from an optional positional argument",
+    "The logging module",
+    "Create a new instance of the class with the given arguments and keyword arguments, then",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load_model(tiny_pair[1])
+
+
+@pytest.fixture(scope="module")
+def source(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def identity_bridge(target):
+    return Bridge(target, target, Mapper.identity(target.info))
+
+
+@pytest.mark.parametrize("hold_back", [1, 3])
+def test_identity_map_generation_equals_native(identity_bridge, target, hold_back):
+    bridge = Bridge(target, target, identity_bridge.mapper, hold_back=hold_back)
+    mapped = bridge.generate(PROMPTS, mode="mapped", max_new_tokens=12)
+    native = bridge.generate(PROMPTS, mode="native", max_new_tokens=12)
+    assert mapped.token_ids == native.token_ids
+    # and native-from-cache equals plain generate from scratch, one prompt at a time (no padding at all)
+    for i, prompt in enumerate(PROMPTS):
+        ids = target.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        plain = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                      do_sample=False, pad_token_id=target.tokenizer.pad_token_id)
+        assert plain[0, ids.shape[1]:].tolist() == mapped.token_ids[i]
+
+
+def test_identity_map_scores_equal_native(identity_bridge):
+    contexts = PROMPTS
+    continuations = [" and keyword arguments.", " is useful", " returns it"]
+    mapped = identity_bridge.score(contexts, continuations, mode="mapped")
+    native = identity_bridge.score(contexts, continuations, mode="native")
+    for (lm, gm), (ln, gn) in zip(mapped, native):
+        assert lm == pytest.approx(ln, abs=1e-4) and gm == gn
+    # scoring in a batch equals scoring one at a time (padding is handled)
+    for i in range(len(contexts)):
+        alone = identity_bridge.score([contexts[i]], [continuations[i]], mode="native")[0][0]
+        assert alone == pytest.approx(native[i][0], abs=1e-4)
+
+
+def test_sampling_runs_and_is_seeded(identity_bridge):
+    torch.manual_seed(0)
+    a = identity_bridge.generate(PROMPTS[:2], max_new_tokens=6, do_sample=True, temperature=0.8)
+    torch.manual_seed(0)
+    b = identity_bridge.generate(PROMPTS[:2], max_new_tokens=6, do_sample=True, temperature=0.8)
+    assert a.token_ids == b.token_ids and all(len(t) == 6 for t in a.token_ids)
+
+
+def test_bad_prompts_are_refused(identity_bridge):
+    with pytest.raises(InputError, match="empty"):
+        identity_bridge.generate(["   "])
+    with pytest.raises(InputError, match="positions"):
+        identity_bridge.generate(["word " * 600])
+    with pytest.raises(InputError, match="more than hold_back"):
+        Bridge(identity_bridge.source, identity_bridge.target, identity_bridge.mapper, hold_back=50).generate(["hi"])
+
+
+def test_wrong_pair_is_refused(source, target, tiny_pair):
+    identity = Mapper.identity(target.info)
+    with pytest.raises(CompatibilityError, match="geometry"):
+        Bridge(source, target, identity)  # mapper fitted target→target, given a 2-layer source
+
+
+def test_different_tokenizers_are_refused(tmp_path, target):
+    import conftest
+    from transformers import Ministral3ForCausalLM
+
+    tok = conftest.build_tokenizer(tmp_path / "tok", vocab_size=300)
+    model = Ministral3ForCausalLM(conftest.ministral3_config(len(tok), 3, 64, 4, 16, theta=50000.0))
+    other = load_model(conftest.save_model(model, tok, tmp_path / "other"))
+    with pytest.raises(CompatibilityError, match="tokenizers"):
+        Bridge(other, target, Mapper.identity(target.info))
+
+
+def test_revision_mismatch_needs_the_override(target):
+    from dataclasses import replace
+
+    recorded = replace(target.info, name_or_path="org/model", revision="c" * 40)
+    mapper = Mapper(Mapper.identity(target.info).config.__class__(
+        source=recorded, target=recorded, selection=Mapper.identity(target.info).config.selection),
+        Mapper.identity(target.info).weights)
+    with pytest.raises(CompatibilityError, match="allow-revision-mismatch"):
+        Bridge(target, target, mapper)
+    Bridge(target, target, mapper, allow_revision_mismatch=True)  # accepted: geometry matches
