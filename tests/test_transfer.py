@@ -49,12 +49,13 @@ def test_identity_map_scores_equal_native(identity_bridge):
     continuations = [" and keyword arguments.", " is useful", " returns it"]
     mapped = identity_bridge.score(contexts, continuations, mode="mapped")
     native = identity_bridge.score(contexts, continuations, mode="native")
-    for (lm, gm), (ln, gn) in zip(mapped, native):
-        assert lm == pytest.approx(ln, abs=1e-4) and gm == gn
+    for m, n in zip(mapped, native):
+        assert m.logprob == pytest.approx(n.logprob, abs=1e-4) and m.is_greedy == n.is_greedy
+        assert m.correct == n.correct and m.tokens == n.tokens > 0
     # scoring in a batch equals scoring one at a time (padding is handled)
     for i in range(len(contexts)):
-        alone = identity_bridge.score([contexts[i]], [continuations[i]], mode="native")[0][0]
-        assert alone == pytest.approx(native[i][0], abs=1e-4)
+        alone = identity_bridge.score([contexts[i]], [continuations[i]], mode="native")[0]
+        assert alone.logprob == pytest.approx(native[i].logprob, abs=1e-4)
 
 
 def test_sampling_runs_and_is_seeded(identity_bridge):

@@ -89,7 +89,8 @@ def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in mapper.weights.items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
         with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
             json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
             handle.write("\n")

@@ -28,7 +28,7 @@ import torch
 
 from .errors import FitError, InputError
 from .mapper import KINDS, Mapper, MapperConfig, layer_features
-from .models import LoadedModel, content_kv
+from .models import LoadedModel, prefill_content
 from .stats import (
     CalibrationStats,
     KVStats,
@@ -189,8 +189,8 @@ def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequenc
     sums = {kind: {"sse": zeros(lt), "sy": zeros(lt, ft), "syy": zeros(lt, ft)} for kind in KINDS}
     for batch in iter_batches(sequences, batch_size):
         mask = torch.ones_like(batch)
-        sk, sv, _ = content_kv(source.model, batch, mask)
-        tk, tv, _ = content_kv(target.model, batch, mask)
+        sk, sv, _ = prefill_content(source.model, batch, mask)
+        tk, tv, _ = prefill_content(target.model, batch, mask)
         mk, mv = mapper.map([k.to(mapper.device) for k in sk], [v.to(mapper.device) for v in sv])
         for kind, mapped, native in (("key", mk, tk), ("value", mv, tv)):
             y = layer_features(native).double().cpu()  # (B, T, Lt, Ft)

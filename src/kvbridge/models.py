@@ -245,17 +245,21 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None):
-    """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``."""
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+            logits: str = "all"):
+    """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``.
+
+    ``logits``: ``"all"`` positions, ``"last"`` (what a serving prefill computes) or ``"none"`` (decoder
+    only: a source prefill for transfer needs its cache, not its vocabulary projection).
+    """
     device = next(model.parameters()).device
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        use_cache=True,
-    )
+    kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                  position_ids=position_ids.to(device), use_cache=True)
+    if logits == "none":
+        return model.get_decoder()(**kwargs).cache, None
+    out = model(**kwargs, logits_to_keep=1 if logits == "last" else 0)
     return out.cache, out.logits
 
 
@@ -272,16 +276,19 @@ def make_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]):
 
 
 @torch.no_grad()
-def content_kv(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Prefill and return content keys (RoPE removed, float32) and values per layer, plus positions.
-
-    Returns ``(keys, values, position_ids)`` with Ls tensors (B, H, T, D) each.
-    """
+def content_kv(model, cache, position_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Content keys (RoPE removed with ``model``'s rotary module, float32) and values of ``cache``."""
     from .rope import remove_rope, rotary_factors
 
-    position_ids = positions_from_mask(attention_mask)
-    cache, _ = prefill(model, input_ids, attention_mask, position_ids)
     keys, values = cache_kv(cache)
     cos, sin = rotary_factors(model, position_ids)
     cos, sin = cos.to(keys[0].device), sin.to(keys[0].device)
-    return [remove_rope(k.float(), cos, sin) for k in keys], values, position_ids
+    return [remove_rope(k.float(), cos, sin) for k in keys], values
+
+
+@torch.no_grad()
+def prefill_content(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Prefill (decoder only) and return ``(content keys, values, position_ids)``; Ls × (B, H, T, D)."""
+    position_ids = positions_from_mask(attention_mask)
+    cache, _ = prefill(model, input_ids, attention_mask, position_ids, logits="none")
+    return (*content_kv(model, cache, position_ids), position_ids)

@@ -27,7 +27,7 @@ import torch
 
 from .errors import InputError
 from .mapper import layer_features
-from .models import LoadedModel, content_kv
+from .models import LoadedModel, prefill_content
 
 
 # -- texts and calibration sequences -----------------------------------------------------------
@@ -186,8 +186,8 @@ def paired_features(source: LoadedModel, target: LoadedModel, ids: torch.Tensor,
     """
     mask = torch.ones_like(ids)
     out = {}
-    sk, sv, _ = content_kv(source.model, ids, mask)
-    tk, tv, _ = content_kv(target.model, ids, mask)
+    sk, sv, _ = prefill_content(source.model, ids, mask)
+    tk, tv, _ = prefill_content(target.model, ids, mask)
     for kind, src, tgt in (("key", sk, tk), ("value", sv, tv)):
         x = layer_features(src)[:, positions.to(src[0].device)]  # (B, P, Ls, Fs)
         y = layer_features(tgt)[:, positions.to(tgt[0].device)]  # (B, P, Lt, Ft)

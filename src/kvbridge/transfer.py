@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -32,6 +32,15 @@ from .rope import apply_rope, rotary_factors
 
 Mode = Literal["mapped", "native", "source"]
 MODES = ("mapped", "native", "source")
+
+
+class Score(NamedTuple):
+    """Log-likelihood of a continuation, whether it is the greedy one, and top-1 hits among its tokens."""
+
+    logprob: float
+    is_greedy: bool
+    correct: int
+    tokens: int
 
 
 @dataclass
@@ -107,15 +116,25 @@ class Bridge:
 
     # -- caches ------------------------------------------------------------------------------
     @torch.no_grad()
-    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill."""
-        keys, values, positions = content_kv(self.source.model, ids, mask)
+    def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """The source's own cache over a left-padded batch (decoder only, no logits) and its positions."""
+        positions = positions_from_mask(mask)
+        return prefill(self.source.model, ids, mask, positions, logits="none")[0], positions
+
+    @torch.no_grad()
+    def map_cache(self, source_cache, positions: torch.Tensor):
+        """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``."""
+        keys, values = content_kv(self.source.model, source_cache, positions)
         mk, mv = self.mapper.map([k.to(self.mapper.device) for k in keys], [v.to(self.mapper.device) for v in values])
         device, dtype = self.target.device, next(self.target.model.parameters()).dtype
         cos, sin = rotary_factors(self.target.model, positions.to(device))
         tk = [apply_rope(k.to(device, torch.float32), cos, sin).to(dtype) for k in mk]
         tv = [v.to(device, dtype) for v in mv]
         return make_cache(self.target.model, tk, tv)
+
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
+        """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill."""
+        return self.map_cache(*self.source_prefill(ids, mask))
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
         """The model that continues and its cache over all but the last ``hold_back`` columns."""
@@ -126,7 +145,7 @@ class Bridge:
         if mode == "mapped":
             return self.target.model, self.mapped_cache(prefix_ids, prefix_mask)
         model = self.target.model if mode == "native" else self.source.model
-        return model, prefill(model, prefix_ids, prefix_mask)[0]
+        return model, prefill(model, prefix_ids, prefix_mask, logits="none")[0]
 
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -152,7 +171,7 @@ class Bridge:
     # -- scoring -----------------------------------------------------------------------------
     @torch.no_grad()
     def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: Mode = "mapped"
-                  ) -> list[tuple[float, bool]]:
+                  ) -> list[Score]:
         """Log-likelihood of each continuation given its context, and whether it is the greedy one.
 
         The continuing model (target for ``mapped``/``native``) reads the held-back context tokens
@@ -183,12 +202,11 @@ class Bridge:
             k = len(cont)
             pred = logprobs[i, m - 1 : m - 1 + k]  # position j predicts continuation token j
             target = torch.tensor(cont, device=pred.device)
-            ll = float(pred.gather(1, target[:, None]).sum())
-            greedy = bool((pred.argmax(-1) == target).all())
-            results.append((ll, greedy))
+            hits = pred.argmax(-1) == target
+            results.append(Score(float(pred.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), k))
         return results
 
-    def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[tuple[float, bool]]:
+    def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[Score]:
         """Text version of :meth:`score_ids`: the context is encoded with special tokens, the continuation without."""
         ctx = [self.tokenizer(c)["input_ids"] for c in contexts]
         cont = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
