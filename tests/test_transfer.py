@@ -102,3 +102,20 @@ def test_revision_mismatch_needs_the_override(target):
     with pytest.raises(CompatibilityError, match="allow-revision-mismatch"):
         Bridge(target, target, mapper)
     Bridge(target, target, mapper, allow_revision_mismatch=True)  # accepted: geometry matches
+
+
+def test_chunked_map_equals_one_chunk(source, target):
+    """Mapping in token chunks (bounded transient memory) builds the same cache as one big chunk."""
+    from kvbridge.mapper import MapperConfig
+    from kvbridge.models import cache_kv
+
+    g = torch.Generator().manual_seed(0)
+    config = MapperConfig(source=source.info, target=target.info,
+                          selection={"key": ((0, 1),) * 3, "value": ((0,), (1,), (0, 1))})
+    mapper = Mapper(config, {n: torch.randn(s, generator=g) / 8 for n, s in config.weight_shapes().items()})
+    whole = Bridge(source, target, mapper, chunk_tokens=1024)
+    chunked = Bridge(source, target, mapper, chunk_tokens=3)
+    ids, mask = whole.encode(PROMPTS)
+    for a, b in zip(*[cache_kv(bridge.mapped_cache(ids, mask)) for bridge in (whole, chunked)]):
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, atol=1e-5)

@@ -72,6 +72,65 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--allow-revision-mismatch", action="store_true",
                      help="accept models whose revision differs from the mapper's record (geometry must still match)")
 
+    demo = sub.add_parser("demo", help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
+                          description="Runs offline on the two small models shipped with kvbridge: fits a mapper on "
+                                      "their calibration split, saves and verifies it, compares native and mapped "
+                                      "continuations on held-out prompts, then prints the retention table (perplexity, "
+                                      "4-way cloze, in-context recall) and the latency table. All figures are CPU.")
+    demo.add_argument("--out", help="keep the artifact (OUT/mapper) and every figure (OUT/demo.json) here")
+    demo.add_argument("--quick", action="store_true", help="a reduced run for smoke tests (seconds, not minutes)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    bench = sub.add_parser("bench", help="latency table: native prefill vs source prefill + map, with FLOP limits",
+                           description="Times native target prefill, source prefill, warm map and cold source+map per "
+                                       "context length (warm-ups, then trials; medians), with the map's FLOPs, its "
+                                       "efficiency against plain matmul and the FLOP-bound cold speedup.",
+                           epilog=EPILOG)
+    _add_pair(bench)
+    bench.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    bench.add_argument("--mapper-revision", help="hub revision of the mapper")
+    bench.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    bench.add_argument("--contexts", default="64,512,1024", help="comma-separated context lengths (default: 64,512,1024)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
+    bench.add_argument("--trials", type=int, default=7, help="timed runs; the median is reported (default: 7)")
+    bench.add_argument("--batch", type=int, default=1, help="prompts per batch (default: 1)")
+    bench.add_argument("--json", help="write every row (timings, FLOPs, efficiency, memory) to this file")
+    bench.add_argument("--plot", help="write a PNG: latency vs context (log-log) and speedups")
+    bench.add_argument("--allow-revision-mismatch", action="store_true",
+                       help="accept models whose revision differs from the mapper's record")
+
+    ev = sub.add_parser("eval", help="native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table",
+                        description="Runs lm-evaluation-harness once per mode through the registered `kvbridge` model "
+                                    "and prints task, native, mapped, raw and floor-normalized retention (floors: 25%% "
+                                    "for 4-way tasks, 50%% WinoGrande, 0 GSM8K), with a mean row. Needs "
+                                    "`pip install \"kvbridge[eval]\"`. Offline tasks shipped with kvbridge: "
+                                    "kvbridge_family_cloze, kvbridge_family_recall.", epilog=EPILOG)
+    _add_pair(ev)
+    ev.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    ev.add_argument("--mapper-revision", help="hub revision of the mapper")
+    ev.add_argument("--tasks", default="arc_challenge,hellaswag,winogrande,mmlu,gsm8k_cot",
+                    help="comma-separated lm-eval tasks (default: the published card's five)")
+    ev.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    ev.add_argument("--limit", type=float, help="at most N documents per task (or a fraction < 1)")
+    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
+    ev.add_argument("--with-source", action="store_true", help="also run the source alone")
+    ev.add_argument("--out", help="folder for results.json (full lm-eval output) and table.md")
+    ev.add_argument("--allow-revision-mismatch", action="store_true")
+
+    dg = sub.add_parser("diagnose", help="per-layer R², attention-output cosine, next-token KL and top-1 agreement",
+                        description="On held-out text: R² of mapped K and V per target layer, cosine of the target's "
+                                    "attention outputs with native vs mapped K/V (its own queries, query scaling "
+                                    "applied), next-token KL and top-1 agreement. Writes a JSON and a PNG per metric.",
+                        epilog=EPILOG)
+    _add_pair(dg)
+    dg.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    dg.add_argument("--mapper-revision", help="hub revision of the mapper")
+    dg.add_argument("--texts", required=True, help="held-out .txt or .jsonl (never used for fitting)")
+    dg.add_argument("--items", type=int, default=16, help="texts to use (default: 16)")
+    dg.add_argument("--seq-len", type=int, default=256, help="tokens per text (default: 256)")
+    dg.add_argument("--out", default="diagnostics", help="folder for diagnostics.json and the plots")
+    dg.add_argument("--allow-revision-mismatch", action="store_true")
+
     ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
     ins.add_argument("mapper", help="mapper folder or hub id")
     ins.add_argument("--revision", help="hub revision of the mapper")
@@ -123,15 +182,10 @@ def _cmd_fit(args) -> int:
 def _cmd_generate(args) -> int:
     import torch
 
-    from .transfer import Bridge
 
     if args.max_new_tokens < 1:
         raise KVBridgeError("--max-new-tokens must be at least 1.")
-    bridge = Bridge.from_pretrained(
-        args.source, args.target, args.mapper, source_revision=args.source_revision,
-        target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
-        dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
-        hold_back=args.hold_back, allow_revision_mismatch=args.allow_revision_mismatch)
+    bridge = _bridge(args)
     kwargs = {}
     if args.sample:
         kwargs = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
@@ -154,6 +208,114 @@ def _cmd_generate(args) -> int:
             first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
             where = "identical" if first is None and len(a) == len(b) else f"first difference at token {first}"
             print(f"--- agreement: {same}/{max(len(a), len(b))} tokens, {where}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(out=args.out, quick=args.quick, progress=not args.quiet)
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    import json
+
+    from .bench import bench_table, plot_bench, run_bench
+
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    except ValueError:
+        raise KVBridgeError(f"--contexts must be comma-separated integers, not {args.contexts!r}.") from None
+    if not contexts or min(contexts) < 2 or args.trials < 1 or args.warmup < 0 or args.batch < 1:
+        raise KVBridgeError("--contexts must be >= 2 tokens each, --trials >= 1, --warmup >= 0, --batch >= 1.")
+    bridge = _bridge(args)
+    limit = bridge.target.info.max_positions
+    if limit and max(contexts) > limit:
+        raise KVBridgeError(f"context {max(contexts)} exceeds the target's {limit} positions; drop it from --contexts.")
+    rows = run_bench(bridge, contexts, args.warmup, args.trials, args.batch)
+    device = bridge.target.device
+    where = torch_device_name(device)
+    print(f"{where}, {str(next(bridge.target.model.parameters()).dtype).replace('torch.', '')}, batch {args.batch}, "
+          f"{args.warmup} warm-ups, median of {args.trials} trials\n")
+    print(bench_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
+    if args.plot:
+        plot_bench(rows, args.plot)
+    return 0
+
+
+def torch_device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def _bridge(args):
+    from .transfer import Bridge
+
+    return Bridge.from_pretrained(
+        args.source, args.target, args.mapper, source_revision=args.source_revision,
+        target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
+        dtype=args.dtype, mapper_device=getattr(args, "mapper_device", None), target_device=args.target_device,
+        hold_back=getattr(args, "hold_back", 1), allow_revision_mismatch=args.allow_revision_mismatch)
+
+
+def _cmd_eval(args) -> int:
+    import json
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from .harness import eval_table, metric_rows, run_lm_eval
+    except ImportError:
+        raise KVBridgeError('kvbridge eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise KVBridgeError("--tasks is empty.")
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    bridge = _bridge(args)
+    modes = ("native", "mapped") + (("source",) if args.with_source else ())
+    try:
+        results = run_lm_eval(bridge, tasks, modes, args.num_fewshot, limit, args.batch_size)
+    except KeyError as exc:
+        raise KVBridgeError(f"lm-eval does not know task {exc}; check --tasks (lm-eval ls tasks).") from None
+    rows = metric_rows(results, tasks)
+    table = eval_table(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"rows": rows, "lm_eval": {m: {k: r[k] for k in ("results", "versions", "n-shot", "config")
+                                                  if k in r} for m, r in results.items()}}
+        (out / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        (out / "table.md").write_text(table + "\n")
+        print(f"\nwritten: {out / 'results.json'}, {out / 'table.md'}")
+    return 0
+
+
+def _cmd_diagnose(args) -> int:
+    import json
+
+    from .diagnose import diagnose, plot_diagnostics
+    from .stats import read_texts
+
+    texts = read_texts(args.texts)
+    report = diagnose(_bridge(args), texts, args.items, args.seq_len)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnostics.json").write_text(json.dumps(report, indent=2) + "\n")
+    plots = plot_diagnostics(report, out)
+    print("| Target layer | R² keys | R² values | Attention-output cosine |")
+    print("|---:|---:|---:|---:|")
+    for layer, (rk, rv, c) in enumerate(zip(report["key_r2"], report["value_r2"], report["attention_cosine"])):
+        print(f"| {layer} | {rk:.4f} | {rv:.4f} | {c:.4f} |")
+    print(f"\nnext-token KL(native ‖ mapped) {report['next_token_kl']:.4f} nats, "
+          f"top-1 agreement {100 * report['top1_agreement']:.1f}% over {report['items']} held-out texts")
+    print(f"written: {out / 'diagnostics.json'}, " + ", ".join(plots))
     return 0
 
 
@@ -225,7 +387,9 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "inspect": _cmd_inspect, "verify": _cmd_verify}
+COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
+            "eval": _cmd_eval, "diagnose": _cmd_diagnose,
+            "inspect": _cmd_inspect, "verify": _cmd_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

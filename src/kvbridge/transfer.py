@@ -22,13 +22,13 @@ from .errors import InputError
 from .mapper import Mapper
 from .models import (
     LoadedModel,
+    cache_kv,
     check_same_tokenizer,
-    content_kv,
     make_cache,
     positions_from_mask,
     prefill,
 )
-from .rope import apply_rope, rotary_factors
+from .rope import apply_rope, remove_rope, rotary_factors
 
 Mode = Literal["mapped", "native", "source"]
 MODES = ("mapped", "native", "source")
@@ -54,7 +54,10 @@ class Bridge:
     """A source model, a target model and a mapper between them, checked to belong together."""
 
     def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int = 1,
-                 allow_revision_mismatch: bool = False):
+                 allow_revision_mismatch: bool = False, chunk_tokens: int = 1024):
+        if chunk_tokens < 1:
+            raise InputError("chunk_tokens must be >= 1.")
+        self.chunk_tokens = chunk_tokens
         if hold_back < 1:
             raise InputError("hold_back must be >= 1: the target must consume at least the last prompt token itself.")
         check_same_tokenizer(source.info, target.info)
@@ -123,14 +126,31 @@ class Bridge:
 
     @torch.no_grad()
     def map_cache(self, source_cache, positions: torch.Tensor):
-        """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``."""
-        keys, values = content_kv(self.source.model, source_cache, positions)
-        mk, mv = self.mapper.map([k.to(self.mapper.device) for k in keys], [v.to(self.mapper.device) for v in values])
-        device, dtype = self.target.device, next(self.target.model.parameters()).dtype
-        cos, sin = rotary_factors(self.target.model, positions.to(device))
-        tk = [apply_rope(k.to(device, torch.float32), cos, sin).to(dtype) for k in mk]
-        tv = [v.to(device, dtype) for v in mv]
-        return make_cache(self.target.model, tk, tv)
+        """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``.
+
+        Tokens are mapped in chunks of ``self.chunk_tokens`` straight into preallocated target
+        tensors, so the transient memory beyond the output cache is one chunk's features, not a
+        copy of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE
+        depends on the full length).
+        """
+        src_k, src_v = cache_kv(source_cache)
+        batch, _, tokens, _ = src_k[0].shape
+        t_info, device = self.target.info, self.target.device
+        dtype = next(self.target.model.parameters()).dtype
+        shape = (batch, t_info.num_kv_heads, tokens, t_info.head_dim)
+        out_k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_info.num_layers)]
+        out_v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_info.num_layers)]
+        s_cos, s_sin = rotary_factors(self.source.model, positions.to(src_k[0].device))  # (B, T, Ds)
+        t_cos, t_sin = rotary_factors(self.target.model, positions.to(device))  # (B, T, Dt)
+        m_dev = self.mapper.device
+        for t0 in range(0, tokens, self.chunk_tokens):
+            sl = slice(t0, min(t0 + self.chunk_tokens, tokens))
+            keys = [remove_rope(k[:, :, sl].float(), s_cos[:, sl], s_sin[:, sl]).to(m_dev) for k in src_k]
+            mk, mv = self.mapper.map(keys, [v[:, :, sl].to(m_dev) for v in src_v])
+            for layer in range(t_info.num_layers):
+                out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
+                out_v[layer][:, :, sl] = mv[layer]
+        return make_cache(self.target.model, out_k, out_v)
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill."""

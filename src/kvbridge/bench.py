@@ -1,0 +1,228 @@
+"""Latency in the published card's format, FLOP accounting, and the map's efficiency.
+
+Per context length (batch 1 unless asked otherwise), measured side by side in one run:
+
+* native target prefill (decoder + the last token's logits, as a serving prefill),
+* source prefill (decoder only: transfer needs its cache, not its logits),
+* warm map: source cache exists → target ``DynamicCache`` ready (RoPE removal, map, target RoPE,
+  cache construction),
+* cold source+map: both of the above in one timed call,
+
+with warm-ups, then timed trials; medians are quoted, min/max kept. On CUDA the device is
+synchronized around every trial. ``map_efficiency`` is the map's achieved FLOP/s divided by the FLOP/s
+of plain ``torch.matmul`` calls of the same shapes timed in the same run. ``cold_speedup_limit`` is
+FLOPs(target prefill) ÷ (FLOPs(source prefill) + FLOPs(map)): the best a cold transfer could do.
+
+Peak memory: the device allocator's peak on CUDA; on CPU the process's peak RSS (VmHWM), which is
+reset between phases through ``/proc/self/clear_refs`` where Linux allows it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .mapper import KINDS, Mapper
+from .models import prefill
+from .transfer import Bridge
+
+
+@dataclass
+class BenchRow:
+    context_tokens: int
+    native_prefill_ms: float
+    source_prefill_ms: float
+    warm_map_ms: float
+    cold_ms: float
+    warm_speedup: float
+    cold_speedup: float
+    map_gflop: float
+    map_efficiency: float
+    cold_speedup_limit: float
+    native_prefill_gflop: float
+    source_prefill_gflop: float
+    timings_min_max_ms: dict
+    peak_memory_native_bytes: int
+    peak_memory_cold_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- FLOP accounting ---------------------------------------------------------------------------
+def prefill_flops(config, tokens: int, logits_tokens: int = 1) -> float:
+    """Multiply-add FLOPs (×2) of a decoder prefill over ``tokens`` tokens, causal attention.
+
+    Per layer: q/k/v/o projections, the gated MLP (3 matrices), and attention scores plus
+    weighted values over the causal triangle (T(T+1)/2 pairs each). ``logits_tokens`` positions get
+    the vocabulary projection (1 for a serving prefill, 0 for a decoder-only source prefill).
+    """
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or d // heads
+    proj = d * heads * hd * 2 + d * kv * hd * 2  # q and o, k and v
+    mlp = 3 * d * config.intermediate_size
+    linear = 2.0 * tokens * layers * (proj + mlp)
+    attention = 2.0 * layers * heads * hd * tokens * (tokens + 1)  # QKᵀ and AV, causal: 2·(2·T(T+1)/2)·H·D
+    return linear + attention + 2.0 * logits_tokens * d * config.vocab_size
+
+
+def map_flops(mapper: Mapper, tokens: int) -> float:
+    """FLOPs of ``x @ W`` for every target layer, keys and values: 2·T·Σ_l d_in,l·d_out,l."""
+    return 2.0 * tokens * sum(w.shape[0] * w.shape[1] for n, w in mapper.weights.items() if n.endswith(".weight"))
+
+
+# -- timing ------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, warmup: int, trials: int) -> tuple[float, float, float]:
+    """(median, min, max) wall time of ``fn()`` in ms, device-synchronized."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(trials):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times), min(times), max(times)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, trials: int) -> float:
+    """Median time of plain ``torch.matmul`` calls with exactly the map's GEMM shapes (the reference)."""
+    pairs = []
+    for kind in KINDS:
+        for group in mapper._groups[kind]:
+            x = torch.randn(tokens, group.weight.shape[0], device=mapper.device, dtype=mapper.dtype)
+            pairs.append((x, group.weight))
+    return time_ms(lambda: [torch.matmul(x, w) for x, w in pairs], device, warmup, trials)[0]
+
+
+@torch.no_grad()
+def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int = 7, batch: int = 1,
+              progress: bool = True) -> list[BenchRow]:
+    from tqdm.auto import tqdm
+
+    device = bridge.target.device
+    vocab = len(bridge.tokenizer)
+    low = max(bridge.tokenizer.all_special_ids) + 1
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in tqdm(contexts, desc="bench", unit="context", disable=not progress):
+        ids = torch.randint(low, vocab, (batch, tokens), generator=g)
+        mask = torch.ones_like(ids)
+        src_device = bridge.source.device
+
+        def native():
+            return prefill(bridge.target.model, ids, mask, logits="last")
+
+        def source():
+            return bridge.source_prefill(ids.to(src_device), mask.to(src_device))
+
+        src_cache, positions = source()
+
+        def warm():
+            return bridge.map_cache(src_cache, positions)
+
+        def cold():
+            return bridge.map_cache(*bridge.source_prefill(ids.to(src_device), mask.to(src_device)))
+
+        _reset_peak(device)
+        t_native = time_ms(native, device, warmup, trials)
+        peak_native = _peak(device)
+        t_source = time_ms(source, src_device, warmup, trials)
+        t_warm = time_ms(warm, device, warmup, trials)
+        _reset_peak(device)
+        t_cold = time_ms(cold, device, warmup, trials)
+        peak_cold = _peak(device)
+        t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials)
+        f_map = map_flops(bridge.mapper, batch * tokens)
+        f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
+        f_source = batch * prefill_flops(bridge.source.model.config, tokens, 0)
+        rows.append(BenchRow(
+            context_tokens=tokens,
+            native_prefill_ms=t_native[0], source_prefill_ms=t_source[0], warm_map_ms=t_warm[0], cold_ms=t_cold[0],
+            warm_speedup=t_native[0] / t_warm[0], cold_speedup=t_native[0] / t_cold[0],
+            map_gflop=f_map / 1e9, map_efficiency=t_matmul / t_warm[0],
+            cold_speedup_limit=f_native / (f_source + f_map),
+            native_prefill_gflop=f_native / 1e9, source_prefill_gflop=f_source / 1e9,
+            timings_min_max_ms={"native": t_native[1:], "source": t_source[1:], "warm_map": t_warm[1:],
+                                "cold": t_cold[1:], "matmul_reference_median": t_matmul},
+            peak_memory_native_bytes=peak_native, peak_memory_cold_bytes=peak_cold,
+        ))
+    return rows
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.1f} ms" if v >= 1 else f"{v:.3f} ms"
+
+
+def bench_table(rows: list[BenchRow]) -> str:
+    """The published card's latency table, plus the FLOP-based columns."""
+    lines = ["| Context tokens | Native prefill | Source prefill | Warm map | Cold source+map | Warm speedup | "
+             "Cold speedup | Map GFLOP | Map efficiency | Cold speedup limit |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.context_tokens:,} | {_ms(r.native_prefill_ms)} | {_ms(r.source_prefill_ms)} | "
+                     f"{_ms(r.warm_map_ms)} | {_ms(r.cold_ms)} | {r.warm_speedup:.2f}× | {r.cold_speedup:.2f}× | "
+                     f"{r.map_gflop:.4g} | {r.map_efficiency:.2f} | {r.cold_speedup_limit:.2f}× |")
+    return "\n".join(lines)
+
+
+def plot_bench(rows: list[BenchRow], path: str) -> None:
+    """Latency vs context (log–log) for the four timings, and both speedups."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r.context_tokens for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("native_prefill_ms", "native target prefill"), ("source_prefill_ms", "source prefill"),
+                       ("warm_map_ms", "warm map"), ("cold_ms", "cold source+map")):
+        a.plot(x, [getattr(r, key) for r in rows], marker="o", label=label)
+    a.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title="latency")
+    a.legend()
+    for key, label in (("warm_speedup", "warm speedup"), ("cold_speedup", "cold speedup"),
+                       ("cold_speedup_limit", "cold limit (FLOPs)")):
+        b.plot(x, [getattr(r, key) for r in rows], marker="o", label=label)
+    b.axhline(1.0, color="grey", lw=0.8)
+    b.set(xscale="log", xlabel="context tokens", ylabel="× vs native prefill", title="speedup")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,127 @@
+"""Where does a mapper fail? Per-layer diagnostics on held-out text.
+
+Letters: B batch, T tokens, H query heads, Hkv kv heads, D head dim, L target layers.
+
+* **R² of K and V** per target layer (pooled over features; content keys).
+* **Attention-output cosine** per target layer: the target's own queries (from its native forward,
+  RoPE and any position-dependent query scaling applied, e.g. Ministral3's) attend causally over
+  native K/V and over mapped K/V; the cosine between the two attention outputs (before ``o_proj``),
+  averaged over heads and positions. The method's authors found it predicts task retention better
+  than R².
+* **Next-token KL and top-1 agreement** between the target's native logits and its logits from a
+  mapped cache over the same context (the last context token read natively, as at runtime).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .evaluate import heldout_rows
+from .fit import heldout_r2
+from .models import cache_kv, positions_from_mask, prefill
+from .rope import apply_rope, query_scale, rotary_factors
+from .transfer import Bridge
+
+
+def _queries(model, hidden: torch.Tensor, layer: int, cos, sin, positions) -> torch.Tensor:
+    """(B, H, T, D) queries of ``layer`` from its input hidden states, exactly as the model forms them."""
+    block = model.get_decoder().layers[layer]
+    attn = block.self_attn
+    x = block.input_layernorm(hidden)
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises queries per head before RoPE
+        q = attn.q_norm(q)
+    q = apply_rope(q.transpose(1, 2).float(), cos, sin)
+    scale = query_scale(model, positions)
+    return q if scale is None else q * scale.to(q.device)
+
+
+def _attend(q, k, v) -> torch.Tensor:
+    """Causal attention with GQA: q (B, H, T, D), k/v (B, Hkv, T, D) → (B, H, T, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@torch.no_grad()
+def attention_cosine(bridge: Bridge, rows: torch.Tensor) -> list[float]:
+    """Per target layer, mean cosine of attention outputs with native vs mapped K/V."""
+    model = bridge.target.model
+    device = bridge.target.device
+    ids = rows.to(device)
+    mask = torch.ones_like(ids)
+    positions = positions_from_mask(mask)
+    hidden_in: dict[int, torch.Tensor] = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: hidden_in.__setitem__(i, (a or (kw["hidden_states"],))[0]),
+                                             with_kwargs=True)
+             for i, layer in enumerate(model.get_decoder().layers)]
+    try:
+        native_cache, _ = prefill(model, ids, mask, positions, logits="none")
+    finally:
+        for h in hooks:
+            h.remove()
+    mapped_cache = bridge.mapped_cache(rows, torch.ones_like(rows))
+    nk, nv = cache_kv(native_cache)
+    mk, mv = cache_kv(mapped_cache)
+    cos, sin = rotary_factors(model, positions)
+    out = []
+    for layer in range(len(nk)):
+        q = _queries(model, hidden_in[layer], layer, cos, sin, positions)
+        a, b = _attend(q, nk[layer], nv[layer]), _attend(q, mk[layer].to(device), mv[layer].to(device))
+        out.append(float(F.cosine_similarity(a, b, dim=-1).mean()))
+    return out
+
+
+@torch.no_grad()
+def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> tuple[float, float]:
+    """(mean next-token KL(native ‖ mapped) in nats, top-1 agreement) after each row's context."""
+    kls, agree = [], []
+    for start in range(0, rows.shape[0], batch_size):
+        batch = rows[start : start + batch_size]
+        mask = torch.ones_like(batch)
+        logits = {}
+        for mode in ("native", "mapped"):
+            model, cache = bridge.prefix_cache(mode, batch, mask)
+            device = next(model.parameters()).device
+            out = model(input_ids=batch[:, -bridge.hold_back:].to(device), attention_mask=mask.to(device),
+                        position_ids=positions_from_mask(mask)[:, -bridge.hold_back:].to(device), cache=cache)
+            logits[mode] = torch.log_softmax(out.logits[:, -1].float(), -1)
+        p, q = logits["native"], logits["mapped"]
+        kls.append((p.exp() * (p - q)).sum(-1))
+        agree.append((p.argmax(-1) == q.argmax(-1)).float())
+    return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
+
+
+def diagnose(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256) -> dict:
+    """Every diagnostic on ``items`` held-out rows of ``seq_len`` tokens."""
+    rows = heldout_rows(bridge.tokenizer, texts, items, seq_len)
+    r2 = heldout_r2(bridge.mapper, bridge.source, bridge.target, rows)
+    kl, top1 = logit_agreement(bridge, rows)
+    return {"items": items, "seq_len": seq_len, "key_r2": r2["key"], "value_r2": r2["value"],
+            "attention_cosine": attention_cosine(bridge, rows), "next_token_kl": kl, "top1_agreement": top1}
+
+
+def plot_diagnostics(report: dict, out_dir) -> list[str]:
+    """One PNG per per-layer metric; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    paths = []
+    for key, label in (("key_r2", "R² of keys"), ("value_r2", "R² of values"),
+                       ("attention_cosine", "attention-output cosine")):
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        values = report[key]
+        ax.bar(range(len(values)), values, color="tab:blue")
+        ax.set(xlabel="target layer", ylabel=label, title=f"{label} by layer (held-out)")
+        ax.set_ylim(min(0.0, min(values)), 1.0)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths

@@ -1,0 +1,201 @@
+"""Retention: what a mapped cache keeps of the target's quality, on tasks with known floors.
+
+Definitions (../shared/DESIGN.md §3), for a score where higher is better:
+
+    raw retention              = mapped / native
+    floor-normalized retention = (mapped − floor) / (native − floor)
+
+Perplexity is lower-is-better; its retention is taken in the same spirit, on log-perplexity
+(per-token negative log-likelihood), with the target's *no-context* perplexity as the floor:
+
+    raw retention              = native_ppl / mapped_ppl
+    floor-normalized retention = (log floor_ppl − log mapped_ppl) / (log floor_ppl − log native_ppl)
+
+i.e. the share of the benefit the target draws from its context that survives the transfer.
+
+Family tasks (held-out text, never trained or calibrated on), each row ``BOS + seq_len−1`` tokens:
+
+* ``perplexity``: the last ``scored`` tokens given the rest as context;
+* ``cloze``: 4-way choice of the true 32-token continuation against the same span of three other
+  documents, by the continuing model's log-likelihood (floor 25 %);
+* ``recall``: a 16-token random span (drawn from the held-out rows' most frequent tokens) placed
+  early in the context recurs near the end; after its first token, the model must reproduce the
+  other 15 (teacher-forced top-1 token accuracy; floor 1/alphabet, ≈ 0, reported as 0).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .errors import InputError
+from .transfer import Bridge
+
+SPAN = 16
+CHOICE_TOKENS = 32
+
+
+@dataclass
+class TaskResult:
+    task: str
+    metric: str
+    native: float
+    mapped: float
+    source: float
+    floor: float
+    items: int
+    higher_is_better: bool = True
+
+    @property
+    def raw_retention(self) -> float:
+        if self.higher_is_better:
+            return self.mapped / self.native if self.native else float("nan")
+        return self.native / self.mapped
+
+    @property
+    def floor_normalized_retention(self) -> float:
+        if self.higher_is_better:
+            return retention(self.native, self.mapped, self.floor)[1]
+        lf, lm, ln = math.log(self.floor), math.log(self.mapped), math.log(self.native)
+        return (lf - lm) / (lf - ln) if lf != ln else float("nan")
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"raw_retention": self.raw_retention,
+                               "floor_normalized_retention": self.floor_normalized_retention}
+
+
+def retention(native: float, mapped: float, floor: float) -> tuple[float, float]:
+    """(raw, floor-normalized) retention of a higher-is-better score, as fractions."""
+    raw = mapped / native if native else float("nan")
+    norm = (mapped - floor) / (native - floor) if native != floor else float("nan")
+    return raw, norm
+
+
+def heldout_rows(tokenizer, texts: list[str], n: int, seq_len: int) -> torch.Tensor:
+    """(n, seq_len) rows: BOS + the first seq_len − 1 tokens of the first n documents long enough."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    rows = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= seq_len - len(bos):
+            rows.append(bos + ids[: seq_len - len(bos)])
+        if len(rows) == n:
+            break
+    if len(rows) < n:
+        raise InputError(f"only {len(rows)} held-out documents have {seq_len} tokens; ask for fewer items.")
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _score(bridge: Bridge, contexts, continuations, mode, batch_size):
+    out = []
+    for i in range(0, len(contexts), batch_size):
+        out += bridge.score_ids(contexts[i : i + batch_size], continuations[i : i + batch_size], mode)
+    return out
+
+
+@torch.no_grad()
+def _bare_scores(bridge: Bridge, continuations: list[list[int]]) -> list[float]:
+    """Target log-likelihood of each continuation after BOS alone (the no-context floor)."""
+    model, bos = bridge.target.model, bridge.tokenizer.bos_token_id
+    ids = torch.tensor([[bos] + c for c in continuations], device=bridge.target.device)
+    logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, :-1]
+    return logprobs.gather(2, ids[:, 1:, None]).squeeze(-1).sum(1).tolist()
+
+
+def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_size: int = 8) -> TaskResult:
+    ctx = [r[:-scored].tolist() for r in rows]
+    cont = [r[-scored:].tolist() for r in rows]
+    tokens = scored * len(rows)
+    ppl = {m: math.exp(-sum(s.logprob for s in _score(bridge, ctx, cont, m, batch_size)) / tokens)
+           for m in ("native", "mapped", "source")}
+    floor = math.exp(-sum(_bare_scores(bridge, cont)) / tokens)
+    return TaskResult("perplexity", f"ppl of last {scored} tokens", ppl["native"], ppl["mapped"], ppl["source"],
+                      floor, len(rows), higher_is_better=False)
+
+
+def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int = 8) -> TaskResult:
+    n = len(rows)
+    if n < 4:
+        raise InputError("the cloze task needs at least 4 held-out rows.")
+    ctx, cont = [], []
+    step = n // 4  # distractors come from three other documents: offsets step, 2·step, 3·step < n
+    for i in range(n):
+        c = rows[i, :context].tolist()
+        for j in range(4):  # choice 0 is the truth
+            ctx.append(c)
+            cont.append(rows[(i + j * step) % n, context : context + CHOICE_TOKENS].tolist())
+    acc = {}
+    for mode in ("native", "mapped", "source"):
+        scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
+        acc[mode] = sum(max(range(4), key=lambda j: scores[4 * i + j]) == 0 for i in range(n)) / n
+    return TaskResult("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations)", acc["native"],
+                      acc["mapped"], acc["source"], 0.25, n)
+
+
+def frequent_ids(rows: torch.Tensor, reserved: set[int], n: int) -> list[int]:
+    """The ``n`` most frequent token ids in ``rows`` (special tokens excluded), most frequent first."""
+    counts = torch.bincount(rows.flatten())
+    for i in reserved:
+        if i < counts.numel():
+            counts[i] = 0
+    order = torch.argsort(counts, descending=True)
+    return [int(i) for i in order[: min(n, int((counts > 0).sum()))]]
+
+
+def recall_items(rows: torch.Tensor, alphabet: list[int], seed: int = 0):
+    """Insert a random SPAN-token span (drawn from ``alphabet``) early in each row and again near the end.
+
+    Returns contexts (up to and including the repeat's first token) and the 15 tokens to recall.
+    """
+    rng = random.Random(seed)
+    seq = rows.shape[1]
+    ctx, cont = [], []
+    for row in rows.tolist():
+        span = rng.sample(alphabet, SPAN)  # distinct tokens: the repeat is unambiguous
+        a, b = rng.randrange(8, 40), rng.randrange(seq - 64, seq - SPAN)
+        row[a : a + SPAN] = span
+        row[b : b + SPAN] = span
+        ctx.append(row[: b + 1])
+        cont.append(span[1:])
+    return ctx, cont
+
+
+def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int = 1024, batch_size: int = 8) -> TaskResult:
+    """Recall a random span of the ``alphabet_size`` most frequent tokens; floor 1/alphabet_size, reported as 0."""
+    alphabet = frequent_ids(rows, set(bridge.tokenizer.all_special_ids), alphabet_size)
+    ctx, cont = recall_items(rows, alphabet)
+    acc = {}
+    for mode in ("native", "mapped", "source"):
+        scores = _score(bridge, ctx, cont, mode, batch_size)
+        acc[mode] = sum(s.correct for s in scores) / sum(s.tokens for s in scores)
+    return TaskResult("recall", f"token accuracy, {SPAN}-token random span of {len(alphabet)} frequent tokens",
+                      acc["native"], acc["mapped"], acc["source"], 0.0, len(rows))
+
+
+def family_tasks(bridge: Bridge, texts: list[str], items: int = 32, seq_len: int = 256) -> list[TaskResult]:
+    """Run the three family tasks on ``items`` held-out documents."""
+    rows = heldout_rows(bridge.tokenizer, texts, items, seq_len)
+    return [
+        task_perplexity(bridge, rows, scored=seq_len // 4),
+        task_cloze(bridge, rows, context=seq_len - CHOICE_TOKENS),
+        task_recall(bridge, rows),
+    ]
+
+
+def retention_table(results: list[TaskResult]) -> str:
+    """Markdown table in the published card's spirit, plus a mean row."""
+    def fmt(r: TaskResult, v: float) -> str:
+        return f"{v:.2f}" if not r.higher_is_better else f"{100 * v:.2f}%"
+
+    lines = ["| Task | Metric | Native | Mapped | Source alone | Floor | Raw retention | Floor-normalized retention |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.task} | {r.metric} | {fmt(r, r.native)} | {fmt(r, r.mapped)} | {fmt(r, r.source)} | "
+                     f"{fmt(r, r.floor)} | {100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}% |")
+    raw = sum(r.raw_retention for r in results) / len(results)
+    norm = sum(r.floor_normalized_retention for r in results) / len(results)
+    lines.append(f"| **Mean** | | | | | | {100 * raw:.2f}% | {100 * norm:.2f}% |")
+    return "\n".join(lines)

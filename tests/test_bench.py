@@ -1,0 +1,103 @@
+"""FLOP accounting against hand counts, and the bench command's output."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbridge.bench import map_flops, prefill_flops
+from kvbridge.cli import main
+from kvbridge.mapper import Mapper, MapperConfig
+from kvbridge.models import ModelInfo
+from kvbridge.rope import RopeSpec
+
+
+def test_prefill_flops_match_a_hand_count():
+    cfg = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=2, intermediate_size=8, vocab_size=10)
+    t = 3
+    q = o = 2 * t * 4 * (2 * 2)  # d → Hq·hd
+    k = v = 2 * t * 4 * (1 * 2)  # d → Hkv·hd
+    mlp = 2 * t * 3 * 4 * 8  # gate, up, down
+    pairs = t * (t + 1) // 2  # causal query-key pairs
+    attn = 2 * (pairs * 2 * 2 * 2)  # QKᵀ and AV: pairs × heads × 2·hd
+    logits = 2 * 4 * 10  # last token only
+    assert prefill_flops(cfg, t, logits_tokens=1) == q + k + v + o + mlp + attn + logits
+    assert prefill_flops(cfg, t, logits_tokens=0) == q + k + v + o + mlp + attn
+    # two layers double the per-layer work
+    assert prefill_flops(SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 2}), t, 0) == 2 * (q + k + v + o + mlp + attn)
+
+
+def test_map_flops_match_a_hand_count():
+    rope = RopeSpec("llama", "default", 4)
+    src = ModelInfo("s", None, "S", 3, 2, 4, 64, rope, "t")  # Fs = 8
+    tgt = ModelInfo("t", None, "T", 2, 1, 4, 64, rope, "t")  # Ft = 4
+    selection = {"key": ((0, 1, 2), (1,)), "value": ((0,), (0, 2))}
+    config = MapperConfig(source=src, target=tgt, selection=selection)
+    mapper = Mapper(config, {n: torch.zeros(s) for n, s in config.weight_shapes().items()})
+    # keys: 24·4 + 8·4; values: 8·4 + 16·4 → 224 multiply-adds per token
+    assert map_flops(mapper, 5) == 2 * 5 * 224
+
+
+@pytest.fixture(scope="module")
+def tiny_mapper(tiny_pair, tmp_path_factory):
+    source, target, texts = tiny_pair
+    out = tmp_path_factory.mktemp("bench") / "mapper"
+    assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out),
+                 "--num-texts", "4", "--seq-len", "32", "--heldout-texts", "0", "--quiet"]) == 0
+    return source, target, str(out)
+
+
+KEYS = ["context_tokens", "native_prefill_ms", "source_prefill_ms", "warm_map_ms", "cold_ms", "warm_speedup",
+        "cold_speedup", "map_gflop", "map_efficiency", "cold_speedup_limit"]
+
+
+def test_bench_writes_json_and_plot(tiny_mapper, tmp_path, capsys):
+    source, target, mapper = tiny_mapper
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--source", source, "--target", target, "--mapper", mapper, "--contexts", "16,48",
+                 "--warmup", "1", "--trials", "5", "--json", str(out), "--plot", str(plot)]) == 0
+    assert "| Context tokens | Native prefill |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context_tokens"] for r in rows] == [16, 48]
+    for r in rows:
+        assert set(KEYS) <= set(r)
+        assert all(r[k] > 0 for k in KEYS)
+        # cold = source prefill + warm map, within the slack of a shared 2-core machine
+        assert r["cold_ms"] < 3 * (r["source_prefill_ms"] + r["warm_map_ms"]) + 5
+        assert r["cold_ms"] > 0.3 * (r["source_prefill_ms"] + r["warm_map_ms"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_bad_contexts(tiny_mapper, capsys):
+    source, target, mapper = tiny_mapper
+    assert main(["bench", "--source", source, "--target", target, "--mapper", mapper, "--contexts", "16,x"]) == 1
+    assert "comma-separated" in capsys.readouterr().err
+    assert main(["bench", "--source", source, "--target", target, "--mapper", mapper, "--contexts", "100000"]) == 1
+    assert "exceeds" in capsys.readouterr().err
+
+
+def test_real_geometry_matches_the_published_artifact():
+    """The shipped Ministral-3 text configs give the seed's parameter count and ≈3.7 GFLOP/token map."""
+    import json
+
+    from transformers import Ministral3Config
+
+    from kvbridge.bench_real import CONFIGS
+
+    configs = {}
+    for name in ("ministral3-3b-text", "ministral3-8b-text"):
+        data = json.loads((CONFIGS / f"{name}.json").read_text())
+        configs[name] = Ministral3Config(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
+    small, large = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
+    assert (small.num_hidden_layers, small.hidden_size, large.num_hidden_layers, large.hidden_size) == (26, 3072, 34, 4096)
+    rope = RopeSpec("ministral3", "yarn", 128)
+    src = ModelInfo("3b", None, "M", 26, 8, 128, 262144, rope, "t")
+    tgt = ModelInfo("8b", None, "M", 34, 8, 128, 262144, rope, "t")
+    config = MapperConfig(source=src, target=tgt, selection={k: (tuple(range(26)),) * 34 for k in ("key", "value")})
+    assert config.num_parameters() == 34 * 2 * (26 * 1024 + 1) * 1024  # 1.854 B, 7.42 GB in float32
+    per_token_map = 2 * 34 * 2 * 26 * 1024 * 1024
+    assert per_token_map / 1e9 == pytest.approx(3.7, abs=0.01)
+    # the map is close to a quarter of the 8B's own per-token prefill work (DESIGN.md §3)
+    assert 0.2 < per_token_map / prefill_flops(large, 1, 0) < 0.3
