@@ -24,6 +24,15 @@ def _add_pair(p: argparse.ArgumentParser) -> None:
                    help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
 
 
+def _add_mapper(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mapper")
+    g.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    g.add_argument("--mapper-revision", help="hub revision of the mapper")
+    g.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    g.add_argument("--allow-revision-mismatch", action="store_true",
+                   help="accept models whose revision differs from the mapper's record (geometry must still match)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge",
@@ -57,9 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                          description="The source prefills the prompt except its last token(s), the mapper builds the "
                                      "target's cache, the target generates.", epilog=EPILOG)
     _add_pair(gen)
-    gen.add_argument("--mapper", required=True, help="mapper folder or hub id")
-    gen.add_argument("--mapper-revision", help="hub revision of the mapper")
-    gen.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    _add_mapper(gen)
     gen.add_argument("--prompt", required=True, action="append",
                      help="prompt text; repeat for a batch of prompts (different lengths are fine)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
@@ -69,8 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (with --sample)")
     gen.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
     gen.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
-    gen.add_argument("--allow-revision-mismatch", action="store_true",
-                     help="accept models whose revision differs from the mapper's record (geometry must still match)")
 
     demo = sub.add_parser("demo", help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
                           description="Runs offline on the two small models shipped with kvbridge: fits a mapper on "
@@ -87,17 +92,13 @@ def _parser() -> argparse.ArgumentParser:
                                        "efficiency against plain matmul and the FLOP-bound cold speedup.",
                            epilog=EPILOG)
     _add_pair(bench)
-    bench.add_argument("--mapper", required=True, help="mapper folder or hub id")
-    bench.add_argument("--mapper-revision", help="hub revision of the mapper")
-    bench.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    _add_mapper(bench)
     bench.add_argument("--contexts", default="64,512,1024", help="comma-separated context lengths (default: 64,512,1024)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
     bench.add_argument("--trials", type=int, default=7, help="timed runs; the median is reported (default: 7)")
     bench.add_argument("--batch", type=int, default=1, help="prompts per batch (default: 1)")
     bench.add_argument("--json", help="write every row (timings, FLOPs, efficiency, memory) to this file")
     bench.add_argument("--plot", help="write a PNG: latency vs context (log-log) and speedups")
-    bench.add_argument("--allow-revision-mismatch", action="store_true",
-                       help="accept models whose revision differs from the mapper's record")
 
     ev = sub.add_parser("eval", help="native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table",
                         description="Runs lm-evaluation-harness once per mode through the registered `kvbridge` model "
@@ -106,8 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "`pip install \"kvbridge[eval]\"`. Offline tasks shipped with kvbridge: "
                                     "kvbridge_family_cloze, kvbridge_family_recall.", epilog=EPILOG)
     _add_pair(ev)
-    ev.add_argument("--mapper", required=True, help="mapper folder or hub id")
-    ev.add_argument("--mapper-revision", help="hub revision of the mapper")
+    _add_mapper(ev)
     ev.add_argument("--tasks", default="arc_challenge,hellaswag,winogrande,mmlu,gsm8k_cot",
                     help="comma-separated lm-eval tasks (default: the published card's five)")
     ev.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
@@ -115,7 +115,6 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
     ev.add_argument("--with-source", action="store_true", help="also run the source alone")
     ev.add_argument("--out", help="folder for results.json (full lm-eval output) and table.md")
-    ev.add_argument("--allow-revision-mismatch", action="store_true")
 
     dg = sub.add_parser("diagnose", help="per-layer R², attention-output cosine, next-token KL and top-1 agreement",
                         description="On held-out text: R² of mapped K and V per target layer, cosine of the target's "
@@ -123,13 +122,11 @@ def _parser() -> argparse.ArgumentParser:
                                     "applied), next-token KL and top-1 agreement. Writes a JSON and a PNG per metric.",
                         epilog=EPILOG)
     _add_pair(dg)
-    dg.add_argument("--mapper", required=True, help="mapper folder or hub id")
-    dg.add_argument("--mapper-revision", help="hub revision of the mapper")
+    _add_mapper(dg)
     dg.add_argument("--texts", required=True, help="held-out .txt or .jsonl (never used for fitting)")
     dg.add_argument("--items", type=int, default=16, help="texts to use (default: 16)")
     dg.add_argument("--seq-len", type=int, default=256, help="tokens per text (default: 256)")
     dg.add_argument("--out", default="diagnostics", help="folder for diagnostics.json and the plots")
-    dg.add_argument("--allow-revision-mismatch", action="store_true")
 
     ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
     ins.add_argument("mapper", help="mapper folder or hub id")
@@ -260,7 +257,7 @@ def _bridge(args):
     return Bridge.from_pretrained(
         args.source, args.target, args.mapper, source_revision=args.source_revision,
         target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
-        dtype=args.dtype, mapper_device=getattr(args, "mapper_device", None), target_device=args.target_device,
+        dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
         hold_back=getattr(args, "hold_back", 1), allow_revision_mismatch=args.allow_revision_mismatch)
 
 

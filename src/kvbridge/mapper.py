@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .errors import ArtifactError, CompatibilityError
-from .models import ModelInfo, check_matches
+from .errors import ArtifactError
+from .models import ModelInfo, check_matches, check_same_tokenizer
 
 KINDS = ("key", "value")
 
@@ -174,8 +174,7 @@ class Mapper:
 
     def check_models(self, source: ModelInfo, target: ModelInfo, allow_revision_mismatch: bool = False) -> None:
         """Refuse a source/target pair this mapper was not fitted for (see :func:`models.check_matches`)."""
-        if source.tokenizer_sha256 != target.tokenizer_sha256:
-            raise CompatibilityError("source and target tokenizers differ; a KV cache cannot be transferred.")
+        check_same_tokenizer(source, target)
         check_matches(source, self.config.source, "source", allow_revision_mismatch)
         check_matches(target, self.config.target, "target", allow_revision_mismatch)
 

@@ -23,7 +23,6 @@ from .mapper import Mapper
 from .models import (
     LoadedModel,
     cache_kv,
-    check_same_tokenizer,
     make_cache,
     positions_from_mask,
     prefill,
@@ -60,7 +59,6 @@ class Bridge:
         self.chunk_tokens = chunk_tokens
         if hold_back < 1:
             raise InputError("hold_back must be >= 1: the target must consume at least the last prompt token itself.")
-        check_same_tokenizer(source.info, target.info)
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, hold_back
         self.tokenizer = target.tokenizer
