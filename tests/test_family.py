@@ -1,0 +1,96 @@
+"""The embedded family: loads offline like a hub checkpoint, is a real instrument, and the demo runs."""
+
+import json
+
+import pytest
+import torch
+
+from kvbridge import family
+from kvbridge.cli import main
+from kvbridge.evaluate import heldout_rows, task_cloze, task_perplexity
+from kvbridge.fit import FitConfig, fit_mapper
+from kvbridge.transfer import Bridge
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return family.load_family()
+
+
+def test_checkpoints_load_through_auto_classes_offline():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for path, layers, hidden in ((family.source_path(), 2, 160), (family.target_path(), 4, 256)):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+        cfg = model.config
+        assert type(model).__name__ == "Ministral3ForCausalLM"
+        assert (cfg.num_hidden_layers, cfg.hidden_size) == (layers, hidden)
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 4, 32)  # GQA
+        assert cfg.rope_parameters["rope_type"] == "yarn"
+        assert len(tok) == cfg.vocab_size == 4096 and tok.bos_token_id == 1
+
+
+def test_geometry_tokenizer_and_rope_as_documented(pair):
+    source, target = pair
+    assert source.info.tokenizer_sha256 == target.info.tokenizer_sha256
+    assert source.info.geometry == (2, 4, 32) and target.info.geometry == (4, 4, 32)
+    s, t = source.info.rope.parameters, target.info.rope.parameters
+    assert (s["rope_theta"], s["factor"]) != (t["rope_theta"], t["factor"])  # content space really matters
+    report = family.report()
+    assert report["target"]["parameters"] > 2.5 * report["source"]["parameters"]
+    for split in ("calibration", "heldout"):
+        from kvbridge.hashing import sha256_texts
+
+        texts = family.calibration_texts() if split == "calibration" else family.heldout_texts()
+        assert sha256_texts(texts) == report["splits"][split]["sha256"]
+
+
+@pytest.fixture(scope="module")
+def rows(pair):
+    return heldout_rows(pair[1].tokenizer, family.heldout_texts(), 16, 256)
+
+
+def _ppl(model, rows, scored=64):
+    with torch.no_grad():
+        logits = model(input_ids=rows).logits[:, -scored - 1 : -1]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, -scored:].reshape(-1)).exp()
+
+
+def test_target_is_clearly_better_than_source_on_heldout(pair, rows):
+    source, target = pair
+    ppl_s, ppl_t = _ppl(source.model, rows), _ppl(target.model, rows)
+    recorded = family.report()
+    margin = recorded["source"]["heldout_ppl"] / recorded["target"]["heldout_ppl"]
+    assert margin > 1.1
+    assert ppl_s > ppl_t * (1 + (margin - 1) / 2)  # at least half the recorded margin on this small slice
+
+
+@pytest.fixture(scope="module")
+def bridge(pair):
+    source, target = pair
+    config = FitConfig(num_texts=16, seq_len=256, stride=2, heldout_texts=0, batch_size=8)
+    mapper = fit_mapper(source, target, family.calibration_texts(), config, progress=False)
+    return Bridge(source, target, mapper)
+
+
+def test_mapped_perplexity_lies_between_native_and_no_context(bridge, rows):
+    result = task_perplexity(bridge, rows)
+    assert result.native < result.mapped < result.floor
+    assert result.floor > 1.2 * result.native  # the family uses its context
+
+
+def test_mapped_cloze_is_above_the_floor(bridge, rows):
+    result = task_cloze(bridge, rows, context=224)
+    assert result.mapped > 0.25 + 0.15
+    assert result.native >= result.mapped - 0.1
+
+
+def test_demo_quick_runs_to_the_end(tmp_path, capsys):
+    assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "| **Mean** |" in shown and "| Context tokens |" in shown and "--- mapped" in shown
+    figures = json.loads((tmp_path / "demo.json").read_text())
+    assert {r["task"] for r in figures["retention"]} == {"perplexity", "cloze", "recall (random)", "recall (real)"}
+    assert len(figures["latency"]) == 2
+    assert main(["verify", str(tmp_path / "mapper")]) == 0
