@@ -94,3 +94,16 @@ def test_demo_quick_runs_to_the_end(tmp_path, capsys):
     assert {r["task"] for r in figures["retention"]} == {"perplexity", "cloze", "recall (random)", "recall (real)"}
     assert len(figures["latency"]) == 2
     assert main(["verify", str(tmp_path / "mapper")]) == 0
+
+
+def test_bench_on_the_family(bridge, tmp_path, capsys):
+    from kvbridge.bench import run_bench
+
+    rows = run_bench(bridge, [32, 96], warmup=1, trials=5, progress=False)
+    for r in rows:
+        d = r.to_dict()
+        for key in ("native_prefill_ms", "source_prefill_ms", "warm_map_ms", "cold_ms", "warm_speedup",
+                    "cold_speedup", "map_gflop", "map_efficiency", "cold_speedup_limit"):
+            assert d[key] > 0, key
+        assert r.cold_ms < 3 * (r.source_prefill_ms + r.warm_map_ms) + 5
+        assert r.cold_speedup_limit > 1  # the source is cheaper than the target: transfer can win

@@ -108,8 +108,9 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     paths = []
     for key, label in (("key_r2", "R² of keys"), ("value_r2", "R² of values"),

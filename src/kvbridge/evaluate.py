@@ -82,7 +82,7 @@ def heldout_rows(tokenizer, texts: list[str], n: int, seq_len: int) -> torch.Ten
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     rows = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if len(ids) >= seq_len - len(bos):
             rows.append(bos + ids[: seq_len - len(bos)])
         if len(rows) == n:

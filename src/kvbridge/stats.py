@@ -72,7 +72,7 @@ def calibration_sequences(tokenizer, texts: Iterable[str], num_sequences: int, s
     needed = num_sequences * body
     stream: list[int] = []
     for text in texts:
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             stream.append(tokenizer.eos_token_id)
         if len(stream) >= needed:
