@@ -119,3 +119,14 @@ def test_chunked_map_equals_one_chunk(source, target):
     for a, b in zip(*[cache_kv(bridge.mapped_cache(ids, mask)) for bridge in (whole, chunked)]):
         for x, y in zip(a, b):
             assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_scoring_at_the_position_limit(identity_bridge):
+    """Context + continuation may fill every position exactly; one more is refused with a message."""
+    limit = identity_bridge.max_positions
+    ctx, cont = [4 + i % 300 for i in range(limit - 8)], [5] * 8
+    assert len(identity_bridge.score_ids([ctx], [cont], mode="mapped")) == 1
+    with pytest.raises(InputError, match="positions"):
+        identity_bridge.score_ids([ctx + [6]], [cont], mode="mapped")
+    with pytest.raises(InputError, match="vocabulary"):
+        identity_bridge.score_ids([[1, 2, 10**6]], [cont], mode="mapped")

@@ -53,8 +53,7 @@ class KVBridgeLM(TemplateLM):
         self.bridge, self.mode = bridge, mode
         self.tokenizer = bridge.tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        limit = min(p for p in (bridge.source.info.max_positions, bridge.target.info.max_positions) if p)
-        self.max_length = int(max_length) if max_length else limit
+        self.max_length = int(max_length) if max_length else bridge.max_positions
 
     @classmethod
     def from_bridge(cls, bridge: Bridge, mode: str = "mapped", batch_size: int = 8) -> "KVBridgeLM":
@@ -81,7 +80,7 @@ class KVBridgeLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         items = []
         for i, (_, ctx, cont) in enumerate(requests):
-            whole = (ctx + cont)[-(self.max_length + 1):]  # keep the last max_length scored positions
+            whole = (ctx + cont)[-self.max_length:]  # keep the last max_length positions
             cut = max(len(whole) - len(cont), 1)
             items.append((i, whole[:cut], whole[cut:]))
         # long first: similar lengths share a batch, and the first batch shows the peak memory

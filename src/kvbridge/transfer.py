@@ -91,8 +91,21 @@ class Bridge:
             rows.append(self.tokenizer(prompt)["input_ids"])
         return self.pad(rows, max_new_tokens)
 
+    @property
+    def max_positions(self) -> int:
+        """Positions both models support (prompt plus generated or scored tokens)."""
+        return min(self.source.info.max_positions or 10**12, self.target.info.max_positions or 10**12)
+
+    def _check_ids(self, rows: list[list[int]], what: str) -> None:
+        vocab = min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
+        for i, row in enumerate(rows):
+            if row and (min(row) < 0 or max(row) >= vocab):
+                raise InputError(f"{what} {i} holds token ids outside the vocabulary [0, {vocab}); "
+                                 "encode text with the models' own tokenizer.")
+
     def pad(self, rows: list[list[int]], max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        limit = min(self.source.info.max_positions or 10**12, self.target.info.max_positions or 10**12)
+        limit = self.max_positions
+        self._check_ids(rows, "prompt")
         for i, row in enumerate(rows):
             if len(row) <= self.hold_back:
                 raise InputError(
@@ -199,8 +212,13 @@ class Bridge:
             raise InputError("contexts and continuations must have the same length.")
         if any(len(c) == 0 for c in continuations):
             raise InputError("a continuation is empty; nothing to score.")
+        self._check_ids(continuations, "continuation")
+        for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
+            if len(ctx) + len(cont) > self.max_positions:
+                raise InputError(f"context {i} plus its continuation has {len(ctx) + len(cont)} tokens, more than "
+                                 f"the {self.max_positions} positions these models support. Truncate the context.")
         longest = max(len(c) for c in continuations)
-        ids, mask = self.pad(contexts, longest)
+        ids, mask = self.pad(contexts)
         model, cache = self.prefix_cache(mode, ids, mask)
         b, m = ids.shape[0], self.hold_back
         tail = torch.full((b, m + longest), int(ids[0, -1]), dtype=torch.long)
