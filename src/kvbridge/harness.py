@@ -21,7 +21,7 @@ LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall")
 # chance level per task family (prefix match): 4-way multiple choice, 2-way WinoGrande, free answers 0
 FLOORS = {"arc": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0,
           "kvbridge_family_cloze": 0.25, "kvbridge_family_recall": 0.0}
-RECALL_ANSWER_TOKENS = 8
+RECALL_ANSWER_TOKENS = 3
 
 _CLOZE_YAML = """task: kvbridge_family_cloze
 dataset_path: json
@@ -82,14 +82,19 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
             record = {"context": decode(rows[i, 1:context].tolist()), "choices": [choices[j] for j in order],
                       "label": order.index(0)}
             handle.write(json.dumps(record) + "\n")
-    alphabet = frequent_ids(rows, set(tokenizer.all_special_ids), 1024)
+    # Words only (" name"-like tokens): their text re-encodes to the same tokens, so the harness's
+    # round trip through text keeps the span a span (random sub-word tokens merge differently).
+    words = [i for i in frequent_ids(rows, set(tokenizer.all_special_ids), 4096)
+             if (w := tokenizer.decode([i])).startswith(" ") and w[1:].isalpha() and tokenizer.encode(
+                 w, add_special_tokens=False) == [i]]
+    alphabet = words[:512]
     rng = random.Random(seed)
     with open(out_dir / "kvbridge_family_recall.jsonl", "w", encoding="utf-8") as handle:
         for row in rows.tolist():
             span = rng.sample(alphabet, SPAN)  # distinct tokens: the repeat is unambiguous
             a, b = rng.randrange(8, 40), rng.randrange(seq_len - 64, seq_len - SPAN)
             row[a:a + SPAN], row[b:b + SPAN] = span, span
-            head = 4  # the repeat's first tokens are given; the model continues the span
+            head = 8  # the repeat's first tokens are given; the model continues the span
             record = {"context": decode(row[1:b + head]),
                       "answer": decode(span[head:head + RECALL_ANSWER_TOKENS])}
             handle.write(json.dumps(record) + "\n")
