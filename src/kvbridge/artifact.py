@@ -203,3 +203,14 @@ def check_weights(directory: str | Path, config: MapperConfig) -> list[str]:
     problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(expected))]
     problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in expected.items() if n in found and found[n] != s]
     return problems
+
+
+def check_artifact(directory: str | Path) -> list[str]:
+    """Every problem ``kvbridge verify`` reports: files and checksums, then mapper.json and tensor shapes."""
+    problems = verify_artifact(directory)
+    if problems:
+        return problems
+    try:
+        return check_weights(directory, read_config(directory))
+    except ArtifactError as exc:
+        return [str(exc)]

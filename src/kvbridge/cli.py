@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_fit(args) -> int:
-    from .artifact import check_weights, verify_artifact
+    from .artifact import check_artifact
     from .fit import FitConfig, fit_mapper
     from .hashing import sha256_file
     from .models import load_model, resolve_dtype
@@ -159,7 +159,7 @@ def _cmd_fit(args) -> int:
     target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
     mapper = fit_mapper(source, target, texts, config, corpus_sha256=sha256_file(args.texts), progress=not args.quiet)
     mapper.save_pretrained(out)
-    problems = verify_artifact(out) + check_weights(out, mapper.config)
+    problems = check_artifact(out)
     if problems:
         raise KVBridgeError(f"the artifact written to {out} does not verify: {'; '.join(problems)}")
     f = mapper.config.fit
@@ -356,17 +356,12 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .artifact import ARTIFACT_FILES, check_weights, read_config, verify_artifact
+    from .artifact import ARTIFACT_FILES, check_artifact
     from .errors import ArtifactError
     from .hub import snapshot
 
     directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
-    problems = verify_artifact(directory)
-    if not problems:
-        try:
-            problems = check_weights(directory, read_config(directory))
-        except ArtifactError as exc:
-            problems = [str(exc)]
+    problems = check_artifact(directory)
     if problems:
         for p in problems:
             print(f"FAIL  {p}", file=sys.stderr)

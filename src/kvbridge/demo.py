@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import family
-from .artifact import check_weights, verify_artifact
+from .artifact import check_artifact
 from .bench import bench_table, run_bench
 from .errors import KVBridgeError
 from .evaluate import family_tasks, retention_table
@@ -69,7 +69,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
     root = Path(out or tmp.name)
     artifact = root / "mapper"
     mapper.save_pretrained(artifact)
-    problems = verify_artifact(artifact) + check_weights(artifact, mapper.config)
+    problems = check_artifact(artifact)
     if problems:
         raise KVBridgeError(f"demo artifact does not verify: {problems}")
     bridge = Bridge(source, target, Mapper.from_pretrained(str(artifact)))
