@@ -119,17 +119,26 @@ def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_
                       floor, len(rows), higher_is_better=False)
 
 
+def cloze_items(rows: torch.Tensor, context: int) -> list[tuple[list[int], list[list[int]]]]:
+    """Per row: its first ``context`` tokens and four CHOICE_TOKENS-token choices, the truth first.
+
+    Distractors are the same span of three other documents (offsets n/4, 2n/4, 3n/4; needs n >= 4).
+    """
+    n = len(rows)
+    step = n // 4
+    return [(rows[i, :context].tolist(),
+             [rows[(i + j * step) % n, context : context + CHOICE_TOKENS].tolist() for j in range(4)])
+            for i in range(n)]
+
+
 def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int = 8) -> TaskResult:
     n = len(rows)
     if n < 4:
         raise InputError("the cloze task needs at least 4 held-out rows.")
     ctx, cont = [], []
-    step = n // 4  # distractors come from three other documents: offsets step, 2·step, 3·step < n
-    for i in range(n):
-        c = rows[i, :context].tolist()
-        for j in range(4):  # choice 0 is the truth
-            ctx.append(c)
-            cont.append(rows[(i + j * step) % n, context : context + CHOICE_TOKENS].tolist())
+    for c, choices in cloze_items(rows, context):
+        ctx += [c] * 4
+        cont += choices
     acc = {}
     for mode in ("native", "mapped", "source"):
         scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
@@ -148,13 +157,14 @@ def frequent_ids(rows: torch.Tensor, reserved: set[int], n: int) -> list[int]:
     return [int(i) for i in order[: min(n, int((counts > 0).sum()))]]
 
 
-def recall_items(rows: torch.Tensor, alphabet: list[int] | None, seed: int = 0):
+def recall_items(rows: torch.Tensor, alphabet: list[int] | None, seed: int = 0, given: int = 1):
     """Place a SPAN-token span early in each row and again near the end.
 
     The span is random distinct tokens from ``alphabet``, or, with ``alphabet=None``, real text: the
     same-position span of another row. Returns ``(contexts, floor_contexts, continuations)``: contexts
-    run up to and including the repeat's first token; floor contexts are the same without the early
-    occurrence (what the model could guess without recalling); continuations are the other 15 tokens.
+    run up to and including the repeat's first ``given`` tokens; floor contexts are the same without
+    the early occurrence (what the model could guess without recalling); continuations are the rest
+    of the span.
     """
     rng = random.Random(seed)
     n, seq = rows.shape
@@ -169,9 +179,9 @@ def recall_items(rows: torch.Tensor, alphabet: list[int] | None, seed: int = 0):
         without[b : b + SPAN] = span
         with_early = list(without)
         with_early[a : a + SPAN] = span
-        ctx.append(with_early[: b + 1])
-        floor_ctx.append(without[: b + 1])
-        cont.append(span[1:])
+        ctx.append(with_early[: b + given])
+        floor_ctx.append(without[: b + given])
+        cont.append(span[given:])
     return ctx, floor_ctx, cont
 
 

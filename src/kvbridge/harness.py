@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import InputError
-from .evaluate import CHOICE_TOKENS, SPAN, frequent_ids, heldout_rows, retention
+from .evaluate import CHOICE_TOKENS, cloze_items, frequent_ids, heldout_rows, recall_items, retention
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall")
@@ -72,14 +72,11 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = heldout_rows(tokenizer, texts, items, seq_len)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    context = seq_len - CHOICE_TOKENS
-    step = items // 4
     with open(out_dir / "kvbridge_family_cloze.jsonl", "w", encoding="utf-8") as handle:
-        for i in range(items):
-            choices = [decode(rows[(i + j * step) % items, context:context + CHOICE_TOKENS].tolist()) for j in range(4)]
+        for i, (context, choices) in enumerate(cloze_items(rows, seq_len - CHOICE_TOKENS)):
             order = list(range(4))
             random.Random(seed + i).shuffle(order)
-            record = {"context": decode(rows[i, 1:context].tolist()), "choices": [choices[j] for j in order],
+            record = {"context": decode(context), "choices": [decode(choices[j]) for j in order],
                       "label": order.index(0)}
             handle.write(json.dumps(record) + "\n")
     # Words only (" name"-like tokens): their text re-encodes to the same tokens, so the harness's
@@ -87,16 +84,11 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
     words = [i for i in frequent_ids(rows, set(tokenizer.all_special_ids), 4096)
              if (w := tokenizer.decode([i])).startswith(" ") and w[1:].isalpha() and tokenizer.encode(
                  w, add_special_tokens=False) == [i]]
-    alphabet = words[:512]
-    rng = random.Random(seed)
+    # the repeat's first 8 tokens are given; the model continues the span
+    contexts, _, continuations = recall_items(rows, words[:512], seed, given=8)
     with open(out_dir / "kvbridge_family_recall.jsonl", "w", encoding="utf-8") as handle:
-        for row in rows.tolist():
-            span = rng.sample(alphabet, SPAN)  # distinct tokens: the repeat is unambiguous
-            a, b = rng.randrange(8, 40), rng.randrange(seq_len - 64, seq_len - SPAN)
-            row[a:a + SPAN], row[b:b + SPAN] = span, span
-            head = 8  # the repeat's first tokens are given; the model continues the span
-            record = {"context": decode(row[1:b + head]),
-                      "answer": decode(span[head:head + RECALL_ANSWER_TOKENS])}
+        for context, continuation in zip(contexts, continuations):
+            record = {"context": decode(context), "answer": decode(continuation[:RECALL_ANSWER_TOKENS])}
             handle.write(json.dumps(record) + "\n")
 
 
