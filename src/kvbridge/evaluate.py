@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import InputError
-from .transfer import Bridge
+from .transfer import Bridge, score_plain
 
 SPAN = 16
 CHOICE_TOKENS = 32
@@ -99,22 +99,14 @@ def _score(bridge: Bridge, contexts, continuations, mode, batch_size):
     return out
 
 
-@torch.no_grad()
-def _bare_scores(bridge: Bridge, continuations: list[list[int]]) -> list[float]:
-    """Target log-likelihood of each continuation after BOS alone (the no-context floor)."""
-    model, bos = bridge.target.model, bridge.tokenizer.bos_token_id
-    ids = torch.tensor([[bos] + c for c in continuations], device=bridge.target.device)
-    logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[:, :-1]
-    return logprobs.gather(2, ids[:, 1:, None]).squeeze(-1).sum(1).tolist()
-
-
 def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_size: int = 8) -> TaskResult:
     ctx = [r[:-scored].tolist() for r in rows]
     cont = [r[-scored:].tolist() for r in rows]
     tokens = scored * len(rows)
     ppl = {m: math.exp(-sum(s.logprob for s in _score(bridge, ctx, cont, m, batch_size)) / tokens)
            for m in ("native", "mapped", "source")}
-    floor = math.exp(-sum(_bare_scores(bridge, cont)) / tokens)
+    bos = [bridge.tokenizer.bos_token_id]  # the no-context floor: the target after BOS alone
+    floor = math.exp(-sum(score_plain(bridge.target.model, bos, c).logprob for c in cont) / tokens)
     return TaskResult("perplexity", f"ppl of last {scored} tokens", ppl["native"], ppl["mapped"], ppl["source"],
                       floor, len(rows), higher_is_better=False)
 

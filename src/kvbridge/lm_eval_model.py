@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from .errors import InputError
-from .transfer import MODES, Bridge
+from .transfer import MODES, Bridge, score_plain
 
 
 def _flag(value: Any) -> bool:
@@ -106,19 +105,8 @@ class KVBridgeLM(TemplateLM):
         if min(len(c) for c in contexts) > self.bridge.hold_back:
             return self.bridge.score_ids(contexts, continuations, mode)
         # a context too short to hold back anything: score the whole sequence in one native pass
-        return [self._score_plain(c, k, mode) for c, k in zip(contexts, continuations)]
-
-    @torch.no_grad()
-    def _score_plain(self, context: list[int], continuation: list[int], mode: str):
-        from .transfer import Score
-
         model = self.bridge.source.model if mode == "source" else self.bridge.target.model
-        device = next(model.parameters()).device
-        ids = torch.tensor([context + continuation], device=device)
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), -1)
-        target = torch.tensor(continuation, device=device)
-        hits = logprobs.argmax(-1) == target
-        return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
+        return [score_plain(model, c, k) for c, k in zip(contexts, continuations)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owners = [], []

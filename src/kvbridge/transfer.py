@@ -42,6 +42,17 @@ class Score(NamedTuple):
     tokens: int
 
 
+@torch.no_grad()
+def score_plain(model, context: list[int], continuation: list[int]) -> Score:
+    """``model`` scores ``continuation`` after ``context`` in one forward pass, no cache and no transfer."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([context + continuation], device=device)
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), -1)
+    target = torch.tensor(continuation, device=device)
+    hits = logprobs.argmax(-1) == target
+    return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
+
+
 @dataclass
 class Generation:
     texts: list[str]
