@@ -41,22 +41,12 @@ def corpus_texts(n: int = 400) -> list[str]:
 
 
 def build_tokenizer(directory, vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The embedded family's tokenizer recipe at a tiny vocabulary, trained on stdlib docstrings."""
+    from kvbridge.family.train import train_tokenizer
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus_texts(200), trainer)
-    from tokenizers.processors import TemplateProcessing
-
-    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    fast.save_pretrained(directory)
-    return fast
+    tokenizer = train_tokenizer(corpus_texts(200), vocab_size)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
 
 
 def ministral3_config(vocab: int, layers: int, hidden: int, kv_heads: int, head_dim: int, theta: float, **extra):

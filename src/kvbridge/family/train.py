@@ -60,7 +60,8 @@ def log(message: str) -> None:
 
 
 # -- tokenizer and data ------------------------------------------------------------------------
-def train_tokenizer(texts: list[str]):
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
+    """Byte-level BPE with <unk> <s> </s> <pad> as ids 0–3 and BOS prepended, as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
@@ -68,7 +69,7 @@ def train_tokenizer(texts: list[str]):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, min_frequency=2,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
