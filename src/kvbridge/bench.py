@@ -53,6 +53,13 @@ class BenchRow:
         return asdict(self)
 
 
+def device_name(device: torch.device) -> str:
+    """What a latency table was measured on, e.g. 'NVIDIA H200 (CUDA)' or 'CPU (2 threads)'."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
 # -- FLOP accounting ---------------------------------------------------------------------------
 def prefill_flops(config, tokens: int, logits_tokens: int = 1) -> float:
     """Multiply-add FLOPs (×2) of a decoder prefill over ``tokens`` tokens, causal attention.

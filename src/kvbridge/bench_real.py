@@ -70,8 +70,7 @@ def random_mapper(source, target, device, dtype):
 
 
 def main(argv=None) -> None:
-    from .bench import bench_table, run_bench
-    from .cli import torch_device_name
+    from .bench import bench_table, device_name, run_bench
     from .transfer import Bridge
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,7 +90,7 @@ def main(argv=None) -> None:
     mapper = random_mapper(source, target, args.device, dtype)
     bridge = Bridge(source, target, mapper, chunk_tokens=args.chunk_tokens)
     params = mapper.config.num_parameters()
-    where = torch_device_name(torch.device(args.device))
+    where = device_name(torch.device(args.device))
     print(f"{where}; {args.dtype}; random weights at the published geometry"
           f"{' (tiny)' if args.tiny else ''}; mapper {params / 1e9:.3f} B parameters; "
           f"built in {time.perf_counter() - start:.0f} s\n", flush=True)

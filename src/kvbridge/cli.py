@@ -218,7 +218,7 @@ def _cmd_demo(args) -> int:
 def _cmd_bench(args) -> int:
     import json
 
-    from .bench import bench_table, plot_bench, run_bench
+    from .bench import bench_table, device_name, plot_bench, run_bench
 
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
@@ -232,7 +232,7 @@ def _cmd_bench(args) -> int:
         raise KVBridgeError(f"context {max(contexts)} exceeds the target's {limit} positions; drop it from --contexts.")
     rows = run_bench(bridge, contexts, args.warmup, args.trials, args.batch)
     device = bridge.target.device
-    where = torch_device_name(device)
+    where = device_name(device)
     print(f"{where}, {str(next(bridge.target.model.parameters()).dtype).replace('torch.', '')}, batch {args.batch}, "
           f"{args.warmup} warm-ups, median of {args.trials} trials\n")
     print(bench_table(rows))
@@ -241,14 +241,6 @@ def _cmd_bench(args) -> int:
     if args.plot:
         plot_bench(rows, args.plot)
     return 0
-
-
-def torch_device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA)"
-    return f"CPU ({torch.get_num_threads()} threads)"
 
 
 def _bridge(args):
