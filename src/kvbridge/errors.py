@@ -33,3 +33,7 @@ class ModelLoadError(KVBridgeError):
 
 class FitError(KVBridgeError):
     """The closed-form fit cannot produce a finite mapper from the collected statistics."""
+
+
+class NumericalError(KVBridgeError):
+    """A mapped cache or a model's output holds NaN or Inf: the result would be garbage, so nothing is returned."""

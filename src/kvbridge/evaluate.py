@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, NumericalError
 from .transfer import Bridge, score_plain
 
 SPAN = 16
@@ -92,6 +92,28 @@ def heldout_rows(tokenizer, texts: list[str], n: int, seq_len: int) -> torch.Ten
     return torch.tensor(rows, dtype=torch.long)
 
 
+BANDS = ((1, 128), (128, 256), (256, 384), (384, 512), (512, 768), (768, 1024), (1024, 1536), (1536, 2048))
+
+
+@torch.no_grad()
+def band_perplexity(model, rows: torch.Tensor, bands=BANDS, batch_size: int = 4) -> dict[str, float]:
+    """Perplexity of the tokens at positions [lo, hi) of each row (one forward pass per row, full context).
+
+    Position p is the token predicted from positions < p; bands past the rows' length are left out.
+    A model that uses a long context well gets *lower* perplexity in later bands.
+    """
+    device = next(model.parameters()).device
+    nll = torch.zeros(rows.shape[1], dtype=torch.float64)
+    for i in range(0, rows.shape[0], batch_size):
+        ids = rows[i : i + batch_size].to(device)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # (B, T−1, V)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T−1)
+        nll[1:] += loss.sum(0).double().cpu()
+    per_token = nll / rows.shape[0]
+    return {f"{lo}-{hi}": round(math.exp(float(per_token[lo:hi].mean())), 3)
+            for lo, hi in bands if hi <= rows.shape[1]}
+
+
 def _score(bridge: Bridge, contexts, continuations, mode, batch_size):
     out = []
     for i in range(0, len(contexts), batch_size):
@@ -123,6 +145,13 @@ def cloze_items(rows: torch.Tensor, context: int) -> list[tuple[list[int], list[
             for i in range(n)]
 
 
+def chose_truth(scores: list[float]) -> bool:
+    """The truth (choice 0) strictly beats every distractor: a tie is a wrong answer, not a lucky one."""
+    if not all(math.isfinite(s) for s in scores):
+        raise NumericalError(f"a cloze item has non-finite scores {scores}; nothing can be ranked.")
+    return all(scores[0] > s for s in scores[1:])
+
+
 def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int = 8) -> TaskResult:
     n = len(rows)
     if n < 4:
@@ -134,7 +163,7 @@ def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int
     acc = {}
     for mode in ("native", "mapped", "source"):
         scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
-        acc[mode] = sum(max(range(4), key=lambda j: scores[4 * i + j]) == 0 for i in range(n)) / n
+        acc[mode] = sum(chose_truth(scores[4 * i : 4 * i + 4]) for i in range(n)) / n
     return TaskResult("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations)", acc["native"],
                       acc["mapped"], acc["source"], 0.25, n)
 

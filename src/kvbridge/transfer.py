@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, NumericalError
 from .mapper import Mapper
 from .models import (
     LoadedModel,
@@ -42,15 +42,28 @@ class Score(NamedTuple):
     tokens: int
 
 
+def log_probs(logits: torch.Tensor, what: str) -> torch.Tensor:
+    """float32 log-softmax of ``logits``; refuses non-finite values (NaN would otherwise score as a tie or a win)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if not bool(torch.isfinite(logprobs).all()):
+        raise NumericalError(f"the {what} produced NaN or Inf log-probabilities; nothing was scored. Check the mapper "
+                             "(`kvbridge verify`) and the model dtype (float16 can overflow: try bfloat16 or float32).")
+    return logprobs
+
+
+def _score_row(logprobs: torch.Tensor, continuation: list[int]) -> Score:
+    """Score of one continuation from the (K, V) log-probs of the positions that predict its K tokens."""
+    target = torch.tensor(continuation, device=logprobs.device)
+    hits = logprobs.argmax(-1) == target
+    return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
+
+
 @torch.no_grad()
 def score_plain(model, context: list[int], continuation: list[int]) -> Score:
     """``model`` scores ``continuation`` after ``context`` in one forward pass, no cache and no transfer."""
     device = next(model.parameters()).device
     ids = torch.tensor([context + continuation], device=device)
-    logprobs = torch.log_softmax(model(input_ids=ids).logits[0, len(context) - 1 : -1].float(), -1)
-    target = torch.tensor(continuation, device=device)
-    hits = logprobs.argmax(-1) == target
-    return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
+    return _score_row(log_probs(model(input_ids=ids).logits[0, len(context) - 1 : -1], "model"), continuation)
 
 
 @dataclass
@@ -172,6 +185,10 @@ class Bridge:
             for layer in range(t_info.num_layers):
                 out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
                 out_v[layer][:, :, sl] = mv[layer]
+        # one reduction and one sync for the whole cache: garbage in a cache decodes as plausible-looking garbage
+        if not bool(torch.stack([torch.isfinite(t).all() for t in out_k + out_v]).all()):
+            raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
+                                 "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
         return make_cache(self.target.model, out_k, out_v)
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
@@ -189,13 +206,37 @@ class Bridge:
         model = self.target.model if mode == "native" else self.source.model
         return model, prefill(model, prefix_ids, prefix_mask, logits="none")[0]
 
+    @torch.no_grad()
+    def first_token_logits(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode = "mapped"):
+        """Everything up to the first output token's logits: ``(cache over all T columns, logits (B, V))``.
+
+        This is what time to first token (TTFT) measures. ``native``: the target prefills all T tokens
+        and projects the last one to the vocabulary, in one pass. ``mapped``: the source prefills the
+        first T − m, the mapper builds the target's cache, and the target reads the m held-back tokens
+        to the last one's logits. ``source``: the same as native with the source model.
+        """
+        if mode != "mapped":
+            model = self.target.model if mode == "native" else self.source.model
+            cache, logits = prefill(model, ids, mask, logits="last")
+            return cache, logits[:, -1]
+        model, cache = self.prefix_cache(mode, ids, mask)
+        device = next(model.parameters()).device
+        m = self.hold_back
+        out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
+                    position_ids=positions_from_mask(mask)[:, -m:].to(device), cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        return out.cache, out.logits[:, -1]
+
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
-                 **generate_kwargs) -> Generation:
-        """Continue each prompt; ``generate_kwargs`` go to transformers ``generate`` (do_sample, top_p, …)."""
-        ids, mask = self.encode(prompts, max_new_tokens)
-        start = time.perf_counter()
+    def generate_ids(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode = "mapped", max_new_tokens: int = 32,
+                     **generate_kwargs) -> torch.Tensor:
+        """New token ids (B, ≤ max_new_tokens) after a left-padded batch, greedy unless ``do_sample=True``.
+
+        ``generate_kwargs`` go to transformers ``generate`` (do_sample, temperature, top_p, top_k,
+        stop_strings with tokenizer, …). The prefix cache covers all but the held-back tokens, and
+        ``generate`` feeds exactly the columns it does not cover.
+        """
         model, cache = self.prefix_cache(mode, ids, mask)
         device = next(model.parameters()).device
         generate_kwargs.setdefault("do_sample", False)
@@ -203,12 +244,19 @@ class Bridge:
         generate_kwargs.setdefault("pad_token_id", self.tokenizer.eos_token_id if pad_id is None else pad_id)
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
                              max_new_tokens=max_new_tokens, **generate_kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        return out[:, ids.shape[1]:]
+
+    def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
+                 **generate_kwargs) -> Generation:
+        """Continue each prompt; ``generate_kwargs`` go to transformers ``generate`` (do_sample, top_p, …)."""
+        ids, mask = self.encode(prompts, max_new_tokens)
+        start = time.perf_counter()
+        new = self.generate_ids(ids, mask, mode, max_new_tokens, **generate_kwargs)
+        if new.device.type == "cuda":
+            torch.cuda.synchronize(new.device)
         seconds = time.perf_counter() - start
-        new = out[:, ids.shape[1]:].tolist()
-        texts = self.tokenizer.batch_decode(new, skip_special_tokens=True)
-        return Generation(texts=texts, token_ids=new, seconds=seconds)
+        texts = self.tokenizer.batch_decode(new.tolist(), skip_special_tokens=True)
+        return Generation(texts=texts, token_ids=new.tolist(), seconds=seconds)
 
     # -- scoring -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,15 +291,9 @@ class Bridge:
         device = next(model.parameters()).device
         out = model(input_ids=tail.to(device), attention_mask=full_mask.to(device),
                     position_ids=positions.to(device), cache=cache, use_cache=True)
-        logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # (B, m + K, V)
-        results = []
-        for i, cont in enumerate(continuations):
-            k = len(cont)
-            pred = logprobs[i, m - 1 : m - 1 + k]  # position j predicts continuation token j
-            target = torch.tensor(cont, device=pred.device)
-            hits = pred.argmax(-1) == target
-            results.append(Score(float(pred.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), k))
-        return results
+        logprobs = log_probs(out.logits, f"{'target' if mode != 'source' else 'source'} ({mode})")  # (B, m + K, V)
+        # position m − 1 + j predicts continuation token j
+        return [_score_row(logprobs[i, m - 1 : m - 1 + len(cont)], cont) for i, cont in enumerate(continuations)]
 
     def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[Score]:
         """Text version of :meth:`score_ids`: the context is encoded with special tokens, the continuation without."""
