@@ -6,12 +6,18 @@ Per context length (batch 1 unless asked otherwise), measured side by side in on
 * source prefill (decoder only: transfer needs its cache, not its logits),
 * warm map: source cache exists → target ``DynamicCache`` ready (RoPE removal, map, target RoPE,
   cache construction),
-* cold source+map: both of the above in one timed call,
+* cold source+map: both of the above in one timed call (the card's "cold" column),
+* time to first token (TTFT), the full path to the first output token's logits: native = the
+  target's prefill above (all T tokens, last token's logits); mapped = source prefill of the first
+  T − m tokens + map + the target's forward over the m held-back tokens to the last one's logits
+  (:meth:`Bridge.first_token_logits`). The card's cold column stops before that last step, so only
+  ``ttft_speedup`` compares like with like,
 
 with warm-ups, then timed trials; medians are quoted, min/max kept. On CUDA the device is
 synchronized around every trial. ``map_efficiency`` is the map's achieved FLOP/s divided by the FLOP/s
 of plain ``torch.matmul`` calls of the same shapes timed in the same run. ``cold_speedup_limit`` is
-FLOPs(target prefill) ÷ (FLOPs(source prefill) + FLOPs(map)): the best a cold transfer could do.
+FLOPs(target prefill) ÷ (FLOPs(source prefill) + FLOPs(map)): the best a cold transfer could do;
+``ttft_speedup_limit`` adds the target's forward over the held-back tokens to the denominator.
 
 Peak memory: the device allocator's peak on CUDA; on CPU the process's peak RSS (VmHWM), which is
 reset between phases through ``/proc/self/clear_refs`` where Linux allows it.
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .mapper import KINDS, Mapper
+from .mapper import KINDS, Mapper, MapperConfig
 from .models import prefill
 from .transfer import Bridge
 
@@ -38,11 +44,15 @@ class BenchRow:
     source_prefill_ms: float
     warm_map_ms: float
     cold_ms: float
+    native_ttft_ms: float
+    mapped_ttft_ms: float
     warm_speedup: float
     cold_speedup: float
+    ttft_speedup: float
     map_gflop: float
     map_efficiency: float
     cold_speedup_limit: float
+    ttft_speedup_limit: float
     native_prefill_gflop: float
     source_prefill_gflop: float
     timings_min_max_ms: dict
@@ -61,12 +71,13 @@ def device_name(device: torch.device) -> str:
 
 
 # -- FLOP accounting ---------------------------------------------------------------------------
-def prefill_flops(config, tokens: int, logits_tokens: int = 1) -> float:
-    """Multiply-add FLOPs (×2) of a decoder prefill over ``tokens`` tokens, causal attention.
+def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) -> float:
+    """Multiply-add FLOPs (×2) of a decoder forward over ``tokens`` new tokens after ``past`` cached ones.
 
     Per layer: q/k/v/o projections, the gated MLP (3 matrices), and attention scores plus
-    weighted values over the causal triangle (T(T+1)/2 pairs each). ``logits_tokens`` positions get
-    the vocabulary projection (1 for a serving prefill, 0 for a decoder-only source prefill).
+    weighted values over the causal pairs (T(T+1)/2 for a prefill, plus T·past against a cache).
+    ``logits_tokens`` positions get the vocabulary projection (1 for a serving prefill, 0 for a
+    decoder-only source prefill).
     """
     d, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
@@ -75,13 +86,18 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1) -> float:
     proj = d * heads * hd * 2 + d * kv * hd * 2  # q and o, k and v
     mlp = 3 * d * config.intermediate_size
     linear = 2.0 * tokens * layers * (proj + mlp)
-    attention = 2.0 * layers * heads * hd * tokens * (tokens + 1)  # QKᵀ and AV, causal: 2·(2·T(T+1)/2)·H·D
+    pairs = tokens * (tokens + 1) / 2 + tokens * past  # causal query-key pairs
+    attention = 4.0 * layers * heads * hd * pairs  # QKᵀ and AV: 2 FLOPs × 2 products per pair, head and dim
     return linear + attention + 2.0 * logits_tokens * d * config.vocab_size
 
 
-def map_flops(mapper: Mapper, tokens: int) -> float:
-    """FLOPs of ``x @ W`` for every target layer, keys and values: 2·T·Σ_l d_in,l·d_out,l."""
-    return 2.0 * tokens * sum(w.shape[0] * w.shape[1] for n, w in mapper.weights.items() if n.endswith(".weight"))
+def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
+    """FLOPs of ``x @ W`` for every target layer, keys and values: 2·T·Σ_l d_in,l·d_out,l.
+
+    Takes a mapper or only its config (the shapes decide): a plan needs no weights.
+    """
+    config = mapper.config if isinstance(mapper, Mapper) else mapper
+    return 2.0 * tokens * sum(s[0] * s[1] for n, s in config.weight_shapes().items() if n.endswith(".weight"))
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -168,6 +184,9 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         def cold():
             return bridge.map_cache(*bridge.source_prefill(ids.to(src_device), mask.to(src_device)))
 
+        def mapped_ttft():
+            return bridge.first_token_logits(ids, mask, "mapped")
+
         _reset_peak(device)
         t_native = time_ms(native, device, warmup, trials)
         peak_native = _peak(device)
@@ -176,19 +195,26 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         _reset_peak(device)
         t_cold = time_ms(cold, device, warmup, trials)
         peak_cold = _peak(device)
+        t_ttft = time_ms(mapped_ttft, device, warmup, trials)
         t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials)
+        m = bridge.hold_back
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
         f_source = batch * prefill_flops(bridge.source.model.config, tokens, 0)
+        f_ttft = batch * (prefill_flops(bridge.source.model.config, tokens - m, 0)
+                          + prefill_flops(bridge.target.model.config, m, 1, past=tokens - m)) \
+            + map_flops(bridge.mapper, batch * (tokens - m))
         rows.append(BenchRow(
             context_tokens=tokens,
             native_prefill_ms=t_native[0], source_prefill_ms=t_source[0], warm_map_ms=t_warm[0], cold_ms=t_cold[0],
+            native_ttft_ms=t_native[0], mapped_ttft_ms=t_ttft[0],
             warm_speedup=t_native[0] / t_warm[0], cold_speedup=t_native[0] / t_cold[0],
+            ttft_speedup=t_native[0] / t_ttft[0],
             map_gflop=f_map / 1e9, map_efficiency=t_matmul / t_warm[0],
-            cold_speedup_limit=f_native / (f_source + f_map),
+            cold_speedup_limit=f_native / (f_source + f_map), ttft_speedup_limit=f_native / f_ttft,
             native_prefill_gflop=f_native / 1e9, source_prefill_gflop=f_source / 1e9,
             timings_min_max_ms={"native": t_native[1:], "source": t_source[1:], "warm_map": t_warm[1:],
-                                "cold": t_cold[1:], "matmul_reference_median": t_matmul},
+                                "cold": t_cold[1:], "mapped_ttft": t_ttft[1:], "matmul_reference_median": t_matmul},
             peak_memory_native_bytes=peak_native, peak_memory_cold_bytes=peak_cold,
         ))
     return rows
@@ -199,14 +225,18 @@ def _ms(v: float) -> str:
 
 
 def bench_table(rows: list[BenchRow]) -> str:
-    """The published card's latency table, plus the FLOP-based columns."""
-    lines = ["| Context tokens | Native prefill | Source prefill | Warm map | Cold source+map | Warm speedup | "
-             "Cold speedup | Map GFLOP | Map efficiency | Cold speedup limit |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The published card's latency columns, then time to first token and the FLOP-based columns.
+
+    The native prefill includes the last token's logits, so it is also the native TTFT.
+    """
+    lines = ["| Context tokens | Native prefill = TTFT | Source prefill | Warm map | Cold source+map | Mapped TTFT | "
+             "Warm speedup | Cold speedup | **TTFT speedup** | TTFT speedup limit | Map GFLOP | Map efficiency |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.context_tokens:,} | {_ms(r.native_prefill_ms)} | {_ms(r.source_prefill_ms)} | "
-                     f"{_ms(r.warm_map_ms)} | {_ms(r.cold_ms)} | {r.warm_speedup:.2f}× | {r.cold_speedup:.2f}× | "
-                     f"{r.map_gflop:.4g} | {r.map_efficiency:.2f} | {r.cold_speedup_limit:.2f}× |")
+        lines.append(f"| {r.context_tokens:,} | {_ms(r.native_ttft_ms)} | {_ms(r.source_prefill_ms)} | "
+                     f"{_ms(r.warm_map_ms)} | {_ms(r.cold_ms)} | {_ms(r.mapped_ttft_ms)} | {r.warm_speedup:.2f}× | "
+                     f"{r.cold_speedup:.2f}× | **{r.ttft_speedup:.2f}×** | {r.ttft_speedup_limit:.2f}× | "
+                     f"{r.map_gflop:.4g} | {r.map_efficiency:.2f} |")
     return "\n".join(lines)
 
 
@@ -219,13 +249,13 @@ def plot_bench(rows: list[BenchRow], path: str) -> None:
 
     x = [r.context_tokens for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("native_prefill_ms", "native target prefill"), ("source_prefill_ms", "source prefill"),
-                       ("warm_map_ms", "warm map"), ("cold_ms", "cold source+map")):
+    for key, label in (("native_prefill_ms", "native prefill = TTFT"), ("source_prefill_ms", "source prefill"),
+                       ("warm_map_ms", "warm map"), ("cold_ms", "cold source+map"), ("mapped_ttft_ms", "mapped TTFT")):
         a.plot(x, [getattr(r, key) for r in rows], marker="o", label=label)
     a.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="ms", title="latency")
     a.legend()
     for key, label in (("warm_speedup", "warm speedup"), ("cold_speedup", "cold speedup"),
-                       ("cold_speedup_limit", "cold limit (FLOPs)")):
+                       ("ttft_speedup", "TTFT speedup"), ("ttft_speedup_limit", "TTFT limit (FLOPs)")):
         b.plot(x, [getattr(r, key) for r in rows], marker="o", label=label)
     b.axhline(1.0, color="grey", lw=0.8)
     b.set(xscale="log", xlabel="context tokens", ylabel="× vs native prefill", title="speedup")
