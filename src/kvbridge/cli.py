@@ -110,7 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_mapper(ev)
     ev.add_argument("--tasks", default="arc_challenge,hellaswag,winogrande,mmlu,gsm8k_cot",
                     help="comma-separated lm-eval tasks (default: the published card's five)")
-    ev.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    ev.add_argument("--num-fewshot", type=int, help="few-shot examples for every task (default: each task's own)")
+    ev.add_argument("--protocol", choices=["default", "card"], default="default",
+                    help="card: the published card's protocol (MMLU 5-shot, GSM8K 8-shot chain of thought, "
+                         "ARC/HellaSwag/WinoGrande 0-shot); default: each task's own few-shot setting")
+    ev.add_argument("--rolling-chunk", type=int, default=256,
+                    help="perplexity tasks: tokens scored per chunk, each after the text before it (default: 256)")
     ev.add_argument("--limit", type=float, help="at most N documents per task (or a fraction < 1)")
     ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
     ev.add_argument("--with-source", action="store_true", help="also run the source alone")
@@ -133,6 +138,14 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--revision", help="hub revision of the mapper")
     ins.add_argument("--json", action="store_true", help="print mapper.json instead of the summary")
 
+    lm = sub.add_parser("lm-eval", help="lm-evaluation-harness's own command line, with the kvbridge model registered",
+                        description="Runs `lm-eval` with every argument passed through, after registering the "
+                                    "`kvbridge` model and kvbridge's offline tasks, e.g. `kvbridge lm-eval --model "
+                                    "kvbridge --model_args source=S,target=T,mapper=M,mode=mapped --tasks "
+                                    "kvbridge_family_cloze`. Needs `pip install \"kvbridge[eval]\"`.",
+                        add_help=False)
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see `lm-eval run -h`)")
+
     ver = sub.add_parser("verify", help="check a mapper's files, checksums and tensor shapes (exit 1 on any problem)")
     ver.add_argument("mapper", help="mapper folder or hub id")
     ver.add_argument("--revision", help="hub revision of the mapper")
@@ -143,7 +156,6 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_fit(args) -> int:
     from .artifact import check_artifact
     from .fit import FitConfig, fit_mapper
-    from .hashing import sha256_file
     from .models import load_model, resolve_dtype
     from .stats import read_texts
 
@@ -157,7 +169,7 @@ def _cmd_fit(args) -> int:
     _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {args.device})")
     source = load_model(args.source, args.source_revision, args.device, dtype)
     target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
-    mapper = fit_mapper(source, target, texts, config, corpus_sha256=sha256_file(args.texts), progress=not args.quiet)
+    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet)
     mapper.save_pretrained(out)
     problems = check_artifact(out)
     if problems:
@@ -259,27 +271,30 @@ def _cmd_eval(args) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        from .harness import eval_table, metric_rows, run_lm_eval
+        from .harness import eval_table, fewshot_plan, metric_rows, run_lm_eval
     except ImportError:
         raise KVBridgeError('kvbridge eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise KVBridgeError("--tasks is empty.")
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    fewshot = fewshot_plan(tasks, args.protocol, args.num_fewshot)
     bridge = _bridge(args)
     modes = ("native", "mapped") + (("source",) if args.with_source else ())
     try:
-        results = run_lm_eval(bridge, tasks, modes, args.num_fewshot, limit, args.batch_size)
+        results = run_lm_eval(bridge, tasks, modes, fewshot, limit, args.batch_size, rolling_chunk=args.rolling_chunk)
     except KeyError as exc:
         raise KVBridgeError(f"lm-eval does not know task {exc}; check --tasks (lm-eval ls tasks).") from None
     rows = metric_rows(results, tasks)
-    table = eval_table(rows)
+    table = eval_table(rows, args.protocol)
     print(table)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"rows": rows, "lm_eval": {m: {k: r[k] for k in ("results", "versions", "n-shot", "config")
-                                                  if k in r} for m, r in results.items()}}
+        payload = {"protocol": {"name": args.protocol, "num_fewshot": fewshot}, "rows": rows,
+                   "native_fallbacks": results["mapped"]["kvbridge"],
+                   "lm_eval": {m: {k: r[k] for k in ("results", "versions", "n-shot", "config", "kvbridge")
+                                   if k in r} for m, r in results.items()}}
         (out / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
         (out / "table.md").write_text(table + "\n")
         print(f"\nwritten: {out / 'results.json'}, {out / 'table.md'}")
@@ -305,6 +320,33 @@ def _cmd_diagnose(args) -> int:
     print(f"\nnext-token KL(native ‖ mapped) {report['next_token_kl']:.4f} nats, "
           f"top-1 agreement {100 * report['top1_agreement']:.1f}% over {report['items']} held-out texts")
     print(f"written: {out / 'diagnostics.json'}, " + ", ".join(plots))
+    return 0
+
+
+def _cmd_lm_eval(args) -> int:
+    """lm-eval's own CLI with the kvbridge model registered and kvbridge's offline tasks on the include path."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        from . import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
+        from .harness import local_task_dir
+    except ImportError:
+        raise KVBridgeError('kvbridge lm-eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
+    argv = list(args.lm_eval_args)
+    wants_run = argv and argv[0] not in ("ls", "validate", "-h", "--help")
+    if wants_run and not any(a.startswith("--include_path") for a in argv):
+        argv += ["--include_path", str(local_task_dir())]
+    saved = sys.argv
+    sys.argv = ["lm-eval"] + argv
+    try:
+        cli_evaluate()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
     return 0
 
 
@@ -372,12 +414,16 @@ def _log(message: str) -> None:
 
 
 COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
-            "eval": _cmd_eval, "diagnose": _cmd_diagnose,
+            "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
             "inspect": _cmd_inspect, "verify": _cmd_verify}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
+        args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except KVBridgeError as exc:

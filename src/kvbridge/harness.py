@@ -21,6 +21,17 @@ LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall")
 # chance level per task family (prefix match): 4-way multiple choice, 2-way WinoGrande, free answers 0
 FLOORS = {"arc": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0,
           "kvbridge_family_cloze": 0.25, "kvbridge_family_recall": 0.0}
+# The one metric of each task that enters the mean (prefix match, longest first); the card's choices.
+# Other metrics of a task are listed after the mean. Unknown tasks: "acc" if reported, else the first metric.
+PRIMARY = {"arc": "acc_norm", "hellaswag": "acc_norm", "mmlu": "acc", "winogrande": "acc",
+           "gsm8k": "exact_match,strict-match", "kvbridge_family_cloze": "acc", "kvbridge_family_recall": "exact_match"}
+# Few-shot examples per task. "default": each task's own (or --num-fewshot for all). "card": the published
+# card's protocol, which lm-eval's defaults do not give (its mmlu is 0-shot, and --num-fewshot is global).
+PROTOCOLS: dict[str, dict[str, int]] = {
+    "default": {},
+    "card": {"arc_challenge": 0, "hellaswag": 0, "winogrande": 0, "mmlu": 5, "gsm8k_cot": 8, "gsm8k": 8},
+}
+LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 RECALL_ANSWER_TOKENS = 3
 
 _CLOZE_YAML = """task: kvbridge_family_cloze
@@ -107,67 +118,147 @@ def local_task_dir(data_dir: str | Path = TASKS_DIR) -> Path:
     return folder
 
 
-def run_lm_eval(bridge, tasks: list[str], modes: tuple[str, ...] = ("native", "mapped"), num_fewshot: int | None = None,
-                limit: int | float | None = None, batch_size: int = 8,
-                task_data: str | Path = TASKS_DIR) -> dict[str, dict]:
-    """``lm_eval.simple_evaluate`` once per mode on the same bridge; returns mode → lm-eval results."""
+def fewshot_plan(tasks: list[str], protocol: str = "default", num_fewshot: int | None = None) -> dict[str, int | None]:
+    """Task → few-shot examples (None: the task's own default) under ``protocol``."""
+    if protocol not in PROTOCOLS:
+        raise InputError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}.")
+    if protocol != "default" and num_fewshot is not None:
+        raise InputError("--num-fewshot and --protocol card both set the few-shot count; pass only one.")
+    shots = PROTOCOLS[protocol]
+    return {task: shots.get(task, num_fewshot) for task in tasks}
+
+
+def _merge(into: dict, results: dict) -> dict:
+    for key, value in results.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key].update(value)
+        else:
+            into.setdefault(key, value)
+    return into
+
+
+def run_lm_eval(bridge, tasks: list[str], modes: tuple[str, ...] = ("native", "mapped"),
+                fewshot: dict[str, int | None] | None = None, limit: int | float | None = None, batch_size: int = 8,
+                task_data: str | Path = TASKS_DIR, rolling_chunk: int = 256) -> dict[str, dict]:
+    """``lm_eval.simple_evaluate`` per mode (and per few-shot count) on one bridge; returns mode → results.
+
+    Each mode's results also carry ``kvbridge``: task → requests and native fallbacks (see
+    :mod:`kvbridge.lm_eval_model`).
+    """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .lm_eval_model import KVBridgeLM
 
+    fewshot = fewshot or {task: None for task in tasks}
+    groups: dict[int | None, list[str]] = {}
+    for task in tasks:
+        groups.setdefault(fewshot.get(task), []).append(task)
     manager = TaskManager(include_path=str(local_task_dir(task_data)))
     out = {}
     for mode in modes:
-        results = lm_eval.simple_evaluate(
-            model=KVBridgeLM.from_bridge(bridge, mode=mode, batch_size=batch_size), tasks=list(tasks),
-            num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=False, bootstrap_iters=0,
-            random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-        out[mode] = results
+        lm = KVBridgeLM.from_bridge(bridge, mode=mode, batch_size=batch_size, rolling_chunk=rolling_chunk)
+        merged: dict = {}
+        for shots, names in groups.items():
+            _merge(merged, lm_eval.simple_evaluate(
+                model=lm, tasks=names, num_fewshot=shots, limit=limit, task_manager=manager, log_samples=False,
+                bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0))
+        merged["kvbridge"] = {"requests": dict(lm.request_counts), "native_fallbacks": dict(lm.native_fallbacks)}
+        out[mode] = merged
     return out
 
 
-def floor_of(task: str) -> float:
-    for prefix, floor in FLOORS.items():
+def _by_prefix(table: dict, task: str, default):
+    for prefix in sorted(table, key=len, reverse=True):
         if task.startswith(prefix):
-            return floor
-    return 0.0
+            return table[prefix]
+    return default
+
+
+def floor_of(task: str) -> float:
+    return _by_prefix(FLOORS, task, 0.0)
+
+
+def primary_metric(task: str, metrics: list[str]) -> str | None:
+    """The metric of ``task`` that enters the mean, among the ``metrics`` lm-eval reported."""
+    wanted = _by_prefix(PRIMARY, task, "acc")
+    if wanted in metrics:
+        return wanted
+    return metrics[0] if metrics else None
+
+
+def _task_count(counts: dict[str, int], task: str) -> int:
+    """Requests of ``task`` or of its subtasks (a group such as mmlu reports mmlu_* subtasks)."""
+    return sum(n for name, n in counts.items() if name == task or name.startswith(task + "_"))
 
 
 def metric_rows(results: dict[str, dict], tasks: list[str]) -> list[dict]:
-    """One row per (task, metric): native, mapped, source (if run), floor, raw and floor-normalized retention."""
+    """One row per (task, metric): native, mapped, source (if run), floor, retention, primary flag, fallbacks."""
     rows = []
     native = results["native"]["results"]
+    counts = results["mapped"].get("kvbridge", {})
+    shots = results["native"].get("n-shot", {})
     for task in tasks:
         if task not in native:
             continue
-        for key, value in native[task].items():
-            if not isinstance(value, (int, float)) or "," not in key or "_stderr" in key:
-                continue  # metrics are "name,filter"; skip sample counts and standard errors
-            metric = key.replace(",none", "")
-            row = {"task": task, "metric": metric, "native": float(value),
-                   "mapped": float(results["mapped"]["results"][task][key]), "floor": floor_of(task)}
+        # metrics are "name,filter"; skip sample counts and standard errors
+        keys = [k for k, v in native[task].items() if isinstance(v, (int, float)) and "," in k and "_stderr" not in k]
+        names = [k.replace(",none", "") for k in keys]
+        primary = primary_metric(task, names)
+        for key, metric in zip(keys, names):
+            row = {"task": task, "metric": metric, "primary": metric == primary,
+                   "native": float(native[task][key]), "mapped": float(results["mapped"]["results"][task][key]),
+                   "floor": floor_of(task), "num_fewshot": shots.get(task),
+                   "requests": _task_count(counts.get("requests", {}), task),
+                   "native_fallbacks": _task_count(counts.get("native_fallbacks", {}), task)}
             if "source" in results:
                 row["source"] = float(results["source"]["results"][task][key])
-            row["raw_retention"], row["floor_normalized_retention"] = retention(row["native"], row["mapped"],
-                                                                                row["floor"])
+            if any(word in metric for word in LOWER_IS_BETTER):  # no floor: raw retention only
+                row["floor"] = None
+                row["raw_retention"] = row["native"] / row["mapped"] if row["mapped"] else float("nan")
+                row["floor_normalized_retention"] = None
+            else:
+                row["raw_retention"], row["floor_normalized_retention"] = retention(row["native"], row["mapped"],
+                                                                                    row["floor"])
             rows.append(row)
+    rows.sort(key=lambda r: not r["primary"])  # primary metrics first (stable: task order kept)
     return rows
 
 
-def eval_table(rows: list[dict]) -> str:
+def in_mean(row: dict) -> bool:
+    """A row enters the mean when it is its task's primary metric and native beats the floor."""
+    return row["primary"] and row["floor"] is not None and row["native"] > row["floor"]
+
+
+def eval_table(rows: list[dict], protocol: str = "default") -> str:
+    """The card's table: primary metric of each task, the mean over them, then the other metrics."""
     has_source = any("source" in r for r in rows)
-    head = "| Task | Metric | Native | Mapped |" + (" Source |" if has_source else "") + \
-        " Floor | Raw retention | Floor-normalized retention |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    pct = lambda v: f"{100 * v:.2f}%"  # noqa: E731
-    for r in rows:
-        lines.append(f"| {r['task']} | {r['metric']} | {pct(r['native'])} | {pct(r['mapped'])} |"
-                     + (f" {pct(r['source'])} |" if has_source else "")
-                     + f" {pct(r['floor'])} | {pct(r['raw_retention'])} | {pct(r['floor_normalized_retention'])} |")
-    finite = [r for r in rows if r["native"] > r["floor"]]
-    if finite:
-        raw = sum(r["raw_retention"] for r in finite) / len(finite)
-        norm = sum(r["floor_normalized_retention"] for r in finite) / len(finite)
-        lines.append("| **Mean** | | | |" + (" |" if has_source else "") + f" | {pct(raw)} | {pct(norm)} |")
+    head = ("| Task | Metric | Shots | Native | Mapped |" + (" Source |" if has_source else "")
+            + " Floor | Raw retention | Floor-normalized retention | Scored natively in mapped mode |")
+    lines = [f"Protocol: {protocol}" + (" (MMLU 5-shot, GSM8K 8-shot chain of thought, the others 0-shot)"
+                                        if protocol == "card" else " (each task's own few-shot setting)"), "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+
+    def value(v, metric):
+        return "n/a" if v is None else f"{v:.4g}" if any(w in metric for w in LOWER_IS_BETTER) else f"{100 * v:.2f}%"
+
+    def line(r):
+        shots = "default" if r["num_fewshot"] is None else str(r["num_fewshot"])
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+        return (f"| {r['task']} | {r['metric']} | {shots} | {value(r['native'], r['metric'])} | "
+                f"{value(r['mapped'], r['metric'])} |" + (f" {value(r['source'], r['metric'])} |" if has_source else "")
+                + f" {value(r['floor'], r['metric'])} | {pct(r['raw_retention'])} | "
+                f"{pct(r['floor_normalized_retention'])} | {r['native_fallbacks']} of {r['requests']} |")
+
+    lines += [line(r) for r in rows if r["primary"]]
+    counted = [r for r in rows if in_mean(r)]
+    if counted:
+        raw = sum(r["raw_retention"] for r in counted) / len(counted)
+        norm = sum(r["floor_normalized_retention"] for r in counted) / len(counted)
+        label = f"**Mean** (primary metrics, {len(counted)} tasks)"
+        lines.append(f"| {label} | | | |" + (" |" if has_source else "") + f" | | {100 * raw:.2f}% | {100 * norm:.2f}% | |")
+    others = [r for r in rows if not r["primary"]]
+    if others:
+        lines.append("| *other metrics, not in the mean* | | | | |" + (" |" if has_source else "") + " | | | |")
+        lines += [line(r) for r in others]
     return "\n".join(lines)
