@@ -35,6 +35,7 @@ from .stats import (
     calibration_sequences,
     collect_statistics,
     iter_batches,
+    split_heldout_documents,
 )
 
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
@@ -216,8 +217,13 @@ def _peak_memory_bytes(device) -> int:
 
 
 def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], config: FitConfig,
-               corpus_sha256: str | None = None, progress: bool = True) -> Mapper:
-    """Fit a mapper from ``source`` to ``target`` on ``texts`` (the last ``heldout_texts`` sequences held out)."""
+               progress: bool = True) -> Mapper:
+    """Fit a mapper from ``source`` to ``target`` on ``texts``.
+
+    The last documents, enough for ``heldout_texts`` sequences, are held out whole for the held-out
+    R²; the fit reads the first ``num_texts`` sequences of the others. ``calibration_sha256`` in
+    ``mapper.json`` is :func:`kvbridge.hashing.sha256_texts` of all of ``texts`` as given.
+    """
     from .hashing import sha256_texts
     from .models import check_same_tokenizer
 
@@ -225,9 +231,10 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    total = config.num_texts + config.heldout_texts
-    sequences = calibration_sequences(target.tokenizer, texts, total, config.seq_len)
-    fit_seqs, held_seqs = sequences[: config.num_texts], sequences[config.num_texts :]
+    fit_texts, held_texts = split_heldout_documents(target.tokenizer, texts, config.heldout_texts, config.seq_len)
+    fit_seqs = calibration_sequences(target.tokenizer, fit_texts, config.num_texts, config.seq_len)
+    held_seqs = (calibration_sequences(target.tokenizer, held_texts, config.heldout_texts, config.seq_len)
+                 if held_texts else fit_seqs[:0])
     start = time.perf_counter()
     stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size, device, progress)
     solve_start = time.perf_counter()
@@ -239,7 +246,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "ridge_scaling": RIDGE_SCALING,
         "observations": stats.observations,
         "tokens": stats.tokens,
-        "calibration_sha256": corpus_sha256 or sha256_texts(texts),
+        "calibration_sha256": sha256_texts(texts),
         "calibration_token_ids_sha256": _ids_sha(fit_seqs),
         "fit_seconds": round(fit_seconds, 3),
         "solve_seconds": round(solve_seconds, 3),

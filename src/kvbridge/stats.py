@@ -87,6 +87,27 @@ def calibration_sequences(tokenizer, texts: Iterable[str], num_sequences: int, s
     return torch.tensor(rows, dtype=torch.long)
 
 
+def split_heldout_documents(tokenizer, texts: list[str], num_sequences: int, seq_len: int
+                            ) -> tuple[list[str], list[str]]:
+    """``(fit texts, held-out texts)``: the last documents that fill ``num_sequences`` windows are held out whole.
+
+    Held-out windows cut from the same documents as the fit windows (the next window of the same
+    file) would flatter the held-out R²; whole documents keep the two apart.
+    """
+    if num_sequences == 0:
+        return list(texts), []
+    needed = num_sequences * (seq_len - (tokenizer.bos_token_id is not None))
+    have, cut = 0, len(texts)
+    while cut > 0 and have < needed:
+        cut -= 1
+        have += len(tokenizer(texts[cut], add_special_tokens=False, verbose=False)["input_ids"]) + (
+            tokenizer.eos_token_id is not None)
+    if have < needed or cut == 0:
+        raise InputError(f"the texts are too few to hold out {num_sequences} sequences of {seq_len} tokens in "
+                         "documents of their own; pass more texts, or lower --heldout-texts (0 skips held-out R²).")
+    return list(texts[:cut]), list(texts[cut:])
+
+
 # -- statistics --------------------------------------------------------------------------------
 class KVStats:
     """Centered, mergeable second-order statistics of (source features x, target features y)."""
