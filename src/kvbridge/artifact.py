@@ -27,11 +27,11 @@ from . import __version__
 from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
-from .mapper import Mapper, MapperConfig
+from .mapper import Lever, Mapper, MapperConfig
 from .models import ModelInfo
 
 FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs); version-1 files read as maps without levers
 WEIGHTS_FILE = "mapper.safetensors"
 CONFIG_FILE = "mapper.json"
 CHECKSUMS_FILE = "checksums.sha256"
@@ -39,7 +39,10 @@ ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
     "KV heads concatenated head-major (feature h*head_dim + d); x = selected source layers concatenated in "
-    "ascending order; y = x @ weight + bias"
+    "ascending order, of the target's own kind at the same token; y = x @ weight + bias. A lever on (kind, "
+    "layer) makes x the concatenation over its lags j (ascending), then its inputs (key before value), then "
+    "the selected source layers, of the source token t - j (zeros before a sequence's first token), and adds "
+    "gelu(x @ mlp.in.weight + mlp.in.bias) @ mlp.out.weight + mlp.out.bias when hidden > 0"
 )
 
 
@@ -52,6 +55,7 @@ def config_to_json(config: MapperConfig) -> dict[str, Any]:
         "target": config.target.to_dict(),
         "feature_layout": FEATURE_LAYOUT,
         "selection": {kind: [list(layers) for layers in config.selection[kind]] for kind in config.selection},
+        "levers": [lever.to_dict() for lever in config.levers],
         "num_parameters": config.num_parameters(),
         "weights_dtype": "float32",
         "fit": config.fit,
@@ -73,6 +77,7 @@ def config_from_json(data: dict[str, Any]) -> MapperConfig:
             target=ModelInfo.from_dict(data["target"]),
             selection={k: tuple(tuple(int(s) for s in layers) for layers in v) for k, v in data["selection"].items()},
             fit=dict(data.get("fit", {})),
+            levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); re-download or refit the mapper.") from None

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import FitError, InputError
-from .mapper import KINDS, Mapper, MapperConfig, layer_features
+from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, layer_features
 from .models import LoadedModel, prefill_content
 from .stats import (
     CalibrationStats,
@@ -54,8 +54,41 @@ class FitConfig:
     ridge: float = 0.01
     batch_size: int = 4
     heldout_texts: int = 4
+    # levers (see kvbridge.levers): extra capacity for a few target layers
+    lags: tuple[int, ...] = (0,)  # source tokens t − j feeding target token t
+    lever_inputs: str = "same"  # "same": keys from keys, values from values; "kv": both caches
+    lever_kinds: tuple[str, ...] = ("key",)  # target caches that get levers
+    lever_layers: tuple[int, ...] | None = None  # None: the lever_count layers with the lowest fit R²
+    lever_count: int = 1
+    lever_stride: int = 1  # observe every S-th token for the levers' statistics
+    mlp_hidden: int = 0  # residual MLP width (0: linear levers only)
+    mlp_steps: int = 1500
+    mlp_batch: int = 1024
+    mlp_lr: float = 1e-3
+    seed: int = 0
+
+    @property
+    def has_levers(self) -> bool:
+        return (self.lags != (0,) or self.lever_inputs != "same" or self.mlp_hidden > 0) and (
+            self.lever_count > 0 if self.lever_layers is None else bool(self.lever_layers))
 
     def __post_init__(self):
+        object.__setattr__(self, "lags", tuple(sorted(set(int(j) for j in self.lags))))
+        if self.lever_layers is not None:
+            object.__setattr__(self, "lever_layers", tuple(sorted(set(int(j) for j in self.lever_layers))))
+        object.__setattr__(self, "lever_kinds", tuple(self.lever_kinds))
+        if not self.lags or min(self.lags) < 0 or max(self.lags) > MAX_LAG:
+            raise InputError(f"--lags must be integers in [0, {MAX_LAG}], e.g. 0,1,2.")
+        if self.lever_inputs not in ("same", "kv"):
+            raise InputError("--lever-inputs must be 'same' or 'kv'.")
+        if not self.lever_kinds or any(k not in KINDS for k in self.lever_kinds):
+            raise InputError("--lever-kinds must be key, value or key,value.")
+        if self.lever_count < 0 or self.lever_stride < 1:
+            raise InputError("--lever-count must be >= 0 and --lever-stride >= 1.")
+        if self.lever_layers is not None and any(j < 0 for j in self.lever_layers):
+            raise InputError("--lever-layers must be target layer indices >= 0.")
+        if self.mlp_hidden < 0 or self.mlp_steps < 1 or self.mlp_batch < 1 or not self.mlp_lr > 0:
+            raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0.")
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
         if self.seq_len < 2:
@@ -208,6 +241,26 @@ def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequenc
     return result
 
 
+def plan_levers(config: FitConfig, report: dict, target_layers: int) -> tuple[Lever, ...]:
+    """The levers a fit adds: on ``lever_layers``, or on the ``lever_count`` layers of each lever kind with
+    the lowest fit R² of the plain map (where it loses most)."""
+    if not config.has_levers:
+        return ()
+    inputs = ("key", "value") if config.lever_inputs == "kv" else ()
+    levers = []
+    for kind in config.lever_kinds:
+        if config.lever_layers is not None:
+            bad = [j for j in config.lever_layers if j >= target_layers]
+            if bad:
+                raise InputError(f"--lever-layers {bad} do not exist: the target has {target_layers} layers.")
+            layers = config.lever_layers
+        else:
+            r2 = report[kind]["r2_fit"]
+            layers = tuple(sorted(sorted(range(target_layers), key=lambda j: r2[j])[: config.lever_count]))
+        levers += [Lever(kind, j, config.lags, inputs, config.mlp_hidden) for j in layers]
+    return tuple(levers)
+
+
 def _peak_memory_bytes(device) -> int:
     if torch.device(device).type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -240,9 +293,19 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     solve_start = time.perf_counter()
     weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge)
     solve_seconds = time.perf_counter() - solve_start
+    levers = plan_levers(config, report, target.info.num_layers)
+    lever_report = {}
+    if levers:
+        from .levers import MLPBudget, fit_levers
+
+        budget = MLPBudget(steps=config.mlp_steps, batch=config.mlp_batch, lr=config.mlp_lr, seed=config.seed)
+        lever_weights, lever_report = fit_levers(source, target, fit_seqs, selection, levers, config.ridge,
+                                                 config.lever_stride, config.batch_size, budget, progress)
+        weights.update(lever_weights)
     fit_seconds = time.perf_counter() - start
     fit_info = {
         "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
+        "levers": lever_report,
         "ridge_scaling": RIDGE_SCALING,
         "observations": stats.observations,
         "tokens": stats.tokens,
@@ -263,7 +326,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         fit_info[f"{kind}_ridge_used"] = report[kind]["ridge_used"]
         if report[kind]["single_layer_r2"] is not None:
             fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
-    mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info), weights)
+    mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
+                                 levers=levers), weights)
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
         for kind in KINDS:

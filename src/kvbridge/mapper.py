@@ -1,16 +1,23 @@
 """The map itself: content-space source KV → content-space target KV. Hot path only.
 
-Letters: B batch, T tokens, Ls/Lt source/target layers, H kv heads, D head dim, F features of one
-layer (H·D, heads concatenated head-major: feature ``h*D + d``), S selected source layers.
+Letters: B batch, T tokens, P past tokens (lag context only), Ls/Lt source/target layers, H kv heads,
+D head dim, F features of one layer (H·D, heads concatenated head-major: feature ``h*D + d``),
+S selected source layers, J lags, I input kinds, N hidden units of a residual MLP.
 
 For every target layer ``l`` and for keys and values separately::
 
-    x_l = concat(content KV of source layers S_l)          # (B, T, |S_l|·Fs)
-    y_l = x_l @ W_l + b_l                                   # (B, T, Ft)
+    x_l = concat over lags j, input kinds i, source layers s ∈ S_l of content_i,s(t − j)   # (B, T, J·I·S·Fs)
+    y_l = x_l @ W_l + b_l  [+ GELU(x_l @ W1_l + b1_l) @ W2_l + b2_l]                        # (B, T, Ft)
 
-Target layers that select the same source layers share one GEMM: their weights are concatenated
-along the output dimension once, when the mapper is built, so the seed's top_k = all-layers mapper
-is a single ``addmm`` per K and V. Nothing in :meth:`Mapper.map` touches files, logs or syncs.
+A plain layer (version-1 maps) reads lag 0 of its own kind only: ``x_l`` = the selected source
+layers' keys (for keys) or values (for values) at the same token. A :class:`Lever` widens one
+target layer's features with neighbouring tokens (``lags``), with the other cache (``inputs``), and
+adds a residual MLP (``hidden``). Lagged features before a sequence's first token are zeros.
+
+Target layers that read the same features and have no MLP share one GEMM: their weights are
+concatenated along the output dimension once, when the mapper is built, so the seed's top_k =
+all-layers mapper is a single ``addmm`` per K and V. Nothing in :meth:`Mapper.map` touches files,
+logs or syncs.
 """
 
 from __future__ import annotations
@@ -19,11 +26,62 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .errors import ArtifactError
 from .models import ModelInfo, check_matches, check_same_tokenizer
 
 KINDS = ("key", "value")
+MAX_LAG = 64
+
+
+@dataclass(frozen=True)
+class Lever:
+    """Extra capacity for one target layer and kind: neighbouring tokens, the other cache, a residual MLP."""
+
+    kind: str  # which target cache: "key" or "value"
+    layer: int  # target layer
+    lags: tuple[int, ...] = (0,)  # source tokens t − j that feed target token t
+    inputs: tuple[str, ...] = ()  # source caches read; () = the same kind as the target
+    hidden: int = 0  # width of the residual MLP; 0 = linear map only
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ArtifactError(f"lever kind must be one of {KINDS}, not {self.kind!r}.")
+        if not isinstance(self.layer, int) or self.layer < 0:
+            raise ArtifactError(f"lever layer must be a target layer index >= 0, not {self.layer!r}.")
+        lags = tuple(self.lags)
+        if not lags or list(lags) != sorted(set(lags)) or not all(isinstance(j, int) and 0 <= j <= MAX_LAG
+                                                                   for j in lags):
+            raise ArtifactError(f"lever lags {list(lags)} must be a sorted, non-empty set of integers in "
+                                f"[0, {MAX_LAG}].")
+        if any(i not in KINDS for i in self.inputs) or len(set(self.inputs)) != len(self.inputs):
+            raise ArtifactError(f"lever inputs {list(self.inputs)} must be distinct values of {KINDS}.")
+        if not isinstance(self.hidden, int) or self.hidden < 0:
+            raise ArtifactError(f"lever hidden must be an integer >= 0, not {self.hidden!r}.")
+        object.__setattr__(self, "lags", lags)
+        object.__setattr__(self, "inputs", tuple(i for i in KINDS if i in (self.inputs or (self.kind,))))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "layer": self.layer, "lags": list(self.lags), "inputs": list(self.inputs),
+                "hidden": self.hidden}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Lever":
+        return cls(kind=data["kind"], layer=data["layer"], lags=tuple(data.get("lags", (0,))),
+                   inputs=tuple(data.get("inputs", ())), hidden=data.get("hidden", 0))
+
+
+@dataclass(frozen=True)
+class Features:
+    """What feeds one target layer: source layers, input kinds, lags (lag-major, then kind, then layer)."""
+
+    sources: tuple[int, ...]
+    inputs: tuple[str, ...]
+    lags: tuple[int, ...] = (0,)
+
+    def width(self, fs: int) -> int:
+        return len(self.lags) * len(self.inputs) * len(self.sources) * fs
 
 
 @dataclass(frozen=True)
@@ -34,6 +92,7 @@ class MapperConfig:
     target: ModelInfo
     selection: dict[str, tuple[tuple[int, ...], ...]]  # kind -> per target layer, sorted source layers
     fit: dict[str, Any] = field(default_factory=dict)
+    levers: tuple[Lever, ...] = ()
 
     def __post_init__(self):
         for kind in KINDS:
@@ -49,15 +108,43 @@ class MapperConfig:
                         f"mapper selection {list(chosen)} is not a sorted, non-empty set of source layers "
                         f"in [0, {self.source.num_layers})."
                     )
+        seen = set()
+        for lever in self.levers:
+            if lever.layer >= self.target.num_layers:
+                raise ArtifactError(f"lever for target layer {lever.layer}, but the target has "
+                                    f"{self.target.num_layers} layers.")
+            if (lever.kind, lever.layer) in seen:
+                raise ArtifactError(f"two levers for the {lever.kind}s of target layer {lever.layer}.")
+            seen.add((lever.kind, lever.layer))
+        object.__setattr__(self, "levers", tuple(sorted(self.levers, key=lambda v: (KINDS.index(v.kind), v.layer))))
+
+    def lever(self, kind: str, layer: int) -> Lever | None:
+        return next((v for v in self.levers if v.kind == kind and v.layer == layer), None)
+
+    def features(self, kind: str, layer: int) -> Features:
+        lever = self.lever(kind, layer)
+        sources = tuple(self.selection[kind][layer])
+        return Features(sources, (kind,)) if lever is None else Features(sources, lever.inputs, lever.lags)
+
+    @property
+    def max_lag(self) -> int:
+        return max((max(v.lags) for v in self.levers), default=0)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name → shape of every tensor the artifact must contain."""
         fs, ft = self.source.kv_features, self.target.kv_features
         shapes = {}
         for kind in KINDS:
-            for layer, chosen in enumerate(self.selection[kind]):
-                shapes[f"{kind}.{layer}.weight"] = (len(chosen) * fs, ft)
+            for layer in range(self.target.num_layers):
+                f_in = self.features(kind, layer).width(fs)
+                shapes[f"{kind}.{layer}.weight"] = (f_in, ft)
                 shapes[f"{kind}.{layer}.bias"] = (ft,)
+                lever = self.lever(kind, layer)
+                if lever is not None and lever.hidden:
+                    shapes[f"{kind}.{layer}.mlp.in.weight"] = (f_in, lever.hidden)
+                    shapes[f"{kind}.{layer}.mlp.in.bias"] = (lever.hidden,)
+                    shapes[f"{kind}.{layer}.mlp.out.weight"] = (lever.hidden, ft)
+                    shapes[f"{kind}.{layer}.mlp.out.bias"] = (ft,)
         return shapes
 
     def num_parameters(self) -> int:
@@ -66,12 +153,14 @@ class MapperConfig:
 
 @dataclass(frozen=True)
 class _Group:
-    """Target layers sharing one source selection, mapped by one GEMM."""
+    """Target layers reading the same features, mapped by one GEMM (and at most one residual MLP)."""
 
+    features: Features
     sources: torch.Tensor | None  # (S,) source layer ids, None = all source layers in order
     targets: tuple[int, ...]
-    weight: torch.Tensor  # (S·Fs, n·Ft)
+    weight: torch.Tensor  # (F_in, n·Ft)
     bias: torch.Tensor  # (n·Ft,)
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # W1, b1, W2, b2
 
 
 def layer_features(layers: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -81,6 +170,32 @@ def layer_features(layers: list[torch.Tensor], dtype: torch.dtype | None = None)
     """
     x = torch.stack([t.to(dtype) if dtype is not None else t for t in layers], dim=2)  # (B, H, Ls, T, D)
     return x.permute(0, 3, 2, 1, 4).flatten(3)  # (B, T, Ls, H·D)
+
+
+def build_features(per_kind: dict[str, torch.Tensor], spec: Features, sources: torch.Tensor | None,
+                   positions: torch.Tensor | None, past: int) -> torch.Tensor:
+    """(B, P+T, Ls, Fs) per input kind → x (B, T, F_in) for the features ``spec``.
+
+    Token ``t`` reads token ``t − j`` for each lag ``j``; a lag that reaches before a row's first token
+    (``positions[t] < j``, or ``t < j`` without positions) reads zeros. Shared by fit and runtime.
+    """
+    pad = max(0, max(spec.lags) - past)  # lag context missing before the first column: zeros
+    if pad:
+        per_kind = {k: F.pad(x, (0, 0, 0, 0, pad, 0)) for k, x in per_kind.items()}
+        positions = None if positions is None else F.pad(positions, (pad, 0))
+        past += pad
+    total = next(iter(per_kind.values())).shape[1]
+    parts = []
+    for j in spec.lags:
+        for kind in spec.inputs:
+            x = per_kind[kind][:, past - j : total - j]  # (B, T, Ls, Fs)
+            if sources is not None:
+                x = x.index_select(2, sources)
+            if j:
+                pos = positions[:, past:] if positions is not None else torch.arange(past, total, device=x.device)[None]
+                x = x * (pos >= j).to(x.dtype)[:, :, None, None]
+            parts.append(x.flatten(2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class Mapper:
@@ -108,18 +223,29 @@ class Mapper:
 
     # -- construction -----------------------------------------------------------------------
     def _build_groups(self, kind: str) -> list[_Group]:
-        by_selection: dict[tuple[int, ...], list[int]] = {}
-        for layer, chosen in enumerate(self.config.selection[kind]):
-            by_selection.setdefault(tuple(chosen), []).append(layer)
+        config = self.config
+        by_features: dict[tuple, list[int]] = {}
+        for layer in range(config.target.num_layers):
+            spec = config.features(kind, layer)
+            lever = config.lever(kind, layer)
+            key = (spec, layer) if lever is not None and lever.hidden else (spec,)  # an MLP maps one layer alone
+            by_features.setdefault(key, []).append(layer)
         groups = []
-        all_layers = tuple(range(self.config.source.num_layers))
-        for chosen, targets in by_selection.items():
+        all_layers = tuple(range(config.source.num_layers))
+        for key, targets in by_features.items():
+            spec = key[0]
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
             b = [self.weights[f"{kind}.{l}.bias"] for l in targets]
             weight = w[0] if len(w) == 1 else torch.cat(w, dim=1)
             bias = b[0] if len(b) == 1 else torch.cat(b, dim=0)
-            sources = None if chosen == all_layers else torch.tensor(chosen, device=weight.device)
-            groups.append(_Group(sources=sources, targets=tuple(targets), weight=weight.contiguous(), bias=bias))
+            sources = None if spec.sources == all_layers else torch.tensor(spec.sources, device=weight.device)
+            mlp = None
+            if len(key) == 2:
+                p = f"{kind}.{targets[0]}.mlp"
+                mlp = tuple(self.weights[f"{p}.{n}"].contiguous() for n in ("in.weight", "in.bias", "out.weight",
+                                                                           "out.bias"))
+            groups.append(_Group(features=spec, sources=sources, targets=tuple(targets), weight=weight.contiguous(),
+                                 bias=bias, mlp=mlp))
         return groups
 
     @property
@@ -178,23 +304,37 @@ class Mapper:
         check_matches(source, self.config.source, "source", allow_revision_mismatch)
         check_matches(target, self.config.target, "target", allow_revision_mismatch)
 
+    @property
+    def max_lag(self) -> int:
+        """How many tokens before a chunk its lagged features read (0 for plain maps)."""
+        return self.config.max_lag
+
     # -- hot path ---------------------------------------------------------------------------
-    def map(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def map(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: torch.Tensor | None = None,
+            past: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Content-space source KV → content-space target KV.
 
-        ``keys``/``values``: Ls tensors (B, Hs, T, Ds), keys with RoPE removed. Returns Lt tensors
-        (B, Ht, T, Dt) each, in the mapper's dtype; the caller re-applies the target's RoPE to keys.
+        ``keys``/``values``: Ls tensors (B, Hs, P+T, Ds), keys with RoPE removed; the first ``past``
+        tokens only feed lagged features of the T tokens after them. ``positions`` (B, P+T): each
+        token's position (left padding: pads before position 0); lags that reach before position 0
+        read zeros. Without ``positions`` column c is position c. Returns Lt tensors (B, Ht, T, Dt)
+        each, in the mapper's dtype; the caller re-applies the target's RoPE to keys.
         """
-        return self._map_kind("key", keys), self._map_kind("value", values)
+        per_kind = {"key": layer_features(keys, self.dtype), "value": layer_features(values, self.dtype)}
+        return self._map_kind("key", per_kind, positions, past), self._map_kind("value", per_kind, positions, past)
 
-    def _map_kind(self, kind: str, layers: list[torch.Tensor]) -> list[torch.Tensor]:
-        batch, _, tokens, _ = layers[0].shape
+    def _map_kind(self, kind: str, per_kind: dict[str, torch.Tensor], positions, past: int) -> list[torch.Tensor]:
+        batch, total = per_kind[kind].shape[:2]
+        tokens = total - past
         ht, dt = self.config.target.num_kv_heads, self.config.target.head_dim
-        x = layer_features(layers, self.dtype).flatten(0, 1)  # (B·T, Ls, Fs)
         out: list[torch.Tensor | None] = [None] * self.config.target.num_layers
         for group in self._groups[kind]:
-            xs = x if group.sources is None else x.index_select(1, group.sources)  # (B·T, S, Fs)
-            y = torch.addmm(group.bias, xs.reshape(batch * tokens, -1), group.weight)  # (B·T, n·Ft)
+            x = build_features(per_kind, group.features, group.sources, positions, past)  # (B, T, F_in)
+            x = x.reshape(batch * tokens, -1)
+            y = torch.addmm(group.bias, x, group.weight)  # (B·T, n·Ft)
+            if group.mlp is not None:
+                w1, b1, w2, b2 = group.mlp
+                y = y + torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2)  # residual MLP, (B·T, Ft)
             y = y.view(batch, tokens, len(group.targets), ht, dt)  # (B, T, n, Ht, Dt)
             for i, layer in enumerate(group.targets):
                 out[layer] = y[:, :, i].transpose(1, 2)  # (B, Ht, T, Dt)

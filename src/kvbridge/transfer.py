@@ -177,11 +177,13 @@ class Bridge:
         out_v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_info.num_layers)]
         s_cos, s_sin = rotary_factors(self.source.model, positions.to(src_k[0].device))  # (B, T, Ds)
         t_cos, t_sin = rotary_factors(self.target.model, positions.to(device))  # (B, T, Dt)
-        m_dev = self.mapper.device
+        m_dev, lag = self.mapper.device, self.mapper.max_lag
         for t0 in range(0, tokens, self.chunk_tokens):
             sl = slice(t0, min(t0 + self.chunk_tokens, tokens))
-            keys = [remove_rope(k[:, :, sl].float(), s_cos[:, sl], s_sin[:, sl]).to(m_dev) for k in src_k]
-            mk, mv = self.mapper.map(keys, [v[:, :, sl].to(m_dev) for v in src_v])
+            src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
+            keys = [remove_rope(k[:, :, src].float(), s_cos[:, src], s_sin[:, src]).to(m_dev) for k in src_k]
+            mk, mv = self.mapper.map(keys, [v[:, :, src].to(m_dev) for v in src_v],
+                                     positions[:, src].to(m_dev) if lag else None, past=t0 - src.start)
             for layer in range(t_info.num_layers):
                 out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
                 out_v[layer][:, :, sl] = mv[layer]

@@ -1,0 +1,140 @@
+"""Capacity where the plain map loses quality: lagged features, both caches as inputs, a residual MLP.
+
+Letters: N observations, F_in features of one lever, Ft features of one target layer, H hidden units.
+
+A :class:`~kvbridge.mapper.Lever` on (kind, target layer) replaces that layer's plain features by
+its selected source layers' keys and/or values at tokens t, t − 1, … (see
+:func:`kvbridge.mapper.build_features`). Its linear part is solved in closed form like every other
+layer, from statistics of a second pass over the calibration sequences (the first pass's Gram
+covers only lag 0); its optional residual MLP is then trained on what the linear part leaves::
+
+    y ≈ x W + b + GELU(x W1 + b1) W2 + b2
+
+with AdamW on mean squared error of the standardised residual, seeded, with a fixed budget of
+steps (``mlp_steps`` batches of ``mlp_batch`` observations). Inputs and outputs are standardised
+while training and the scales are folded into W1, b1, W2, b2, so the runtime formula stays the
+one above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import FitError
+from .mapper import Features, Lever, build_features, layer_features
+from .models import LoadedModel, prefill_content
+from .stats import KVStats, iter_batches
+
+
+@dataclass(frozen=True)
+class MLPBudget:
+    """How a residual MLP is trained: a fixed, stated budget, seeded."""
+
+    steps: int = 1500
+    batch: int = 1024
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    seed: int = 0
+
+
+@torch.no_grad()
+def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tensor, specs: dict, positions):
+    """(x, y) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
+    mask = torch.ones_like(ids)
+    sk, sv, _ = prefill_content(source.model, ids, mask)
+    tk, tv, _ = prefill_content(target.model, ids, mask)
+    per_kind = {"key": layer_features(sk), "value": layer_features(sv)}  # (B, T, Ls, Fs)
+    native = {"key": tk, "value": tv}
+    out = {}
+    for (kind, layer), spec in specs.items():
+        x = build_features(per_kind, spec, torch.tensor(spec.sources), None, 0)  # (B, T, F_in)
+        y = native[kind][layer].transpose(1, 2).flatten(2)  # (B, T, Ft)
+        out[(kind, layer)] = (x[:, positions].flatten(0, 1), y[:, positions].flatten(0, 1))
+    return out
+
+
+def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor, selection: dict,
+               levers: tuple[Lever, ...], ridge: float, stride: int, batch_size: int, budget: MLPBudget,
+               progress: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Closed-form linear part of every lever, then its residual MLP; returns (weights, report)."""
+    from tqdm.auto import tqdm
+
+    from .fit import _cholesky_solve, _pooled_r2
+
+    fs, ft = source.info.kv_features, target.info.kv_features
+    specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags) for v in levers}
+    stats = {key: KVStats(spec.width(fs), ft) for key, spec in specs.items()}
+    keep = {(v.kind, v.layer) for v in levers if v.hidden}
+    kept: dict[tuple, list] = {key: [] for key in keep}
+    positions = torch.arange(0, sequences.shape[1], stride)
+    with tqdm(total=sequences.shape[0], desc="lever statistics", unit="seq", disable=not progress) as bar:
+        for batch in iter_batches(sequences, batch_size):
+            for key, (x, y) in lever_observations(source, target, batch, specs, positions).items():
+                stats[key].update(x, y)
+                if key in keep:
+                    kept[key].append((x.float().cpu(), y.float().cpu()))
+            bar.update(batch.shape[0])
+    weights, report = {}, {}
+    for lever in levers:
+        key, name = (lever.kind, lever.layer), f"{lever.kind}.{lever.layer}"
+        s = stats[key]
+        w, used = _cholesky_solve(s.gram, s.cross, ridge)  # (F_in, Ft) float64
+        bias = s.mean_y - s.mean_x @ w
+        weights[f"{name}.weight"] = w.float().contiguous()
+        weights[f"{name}.bias"] = bias.float().contiguous()
+        report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "observations": s.n,
+                        "ridge_used": used, "r2_fit_linear": _pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
+        if lever.hidden:
+            x = torch.cat([a for a, _ in kept[key]])  # (N, F_in)
+            y = torch.cat([b for _, b in kept.pop(key)])  # (N, Ft)
+            residual = y - torch.addmm(weights[f"{name}.bias"], x, weights[f"{name}.weight"])
+            mlp, r2 = train_residual_mlp(x, residual, lever.hidden, budget, progress, desc=f"MLP {name}")
+            for part, tensor in zip(("in.weight", "in.bias", "out.weight", "out.bias"), mlp):
+                weights[f"{name}.mlp.{part}"] = tensor.contiguous()
+            report[name] |= {"mlp_observations": int(x.shape[0]), "mlp_budget": asdict(budget),
+                             "r2_fit_residual_explained": r2}
+    return weights, report
+
+
+def train_residual_mlp(x: torch.Tensor, residual: torch.Tensor, hidden: int, budget: MLPBudget,
+                       progress: bool = True, desc: str = "MLP") -> tuple[tuple[torch.Tensor, ...], float]:
+    """Fit GELU(x W1 + b1) W2 + b2 ≈ residual; returns the folded (W1, b1, W2, b2) and the share of the
+    residual's variance it explains on the last 5 % of observations (kept out of training)."""
+    from tqdm.auto import tqdm
+
+    n = x.shape[0]
+    if n < 20:
+        raise FitError(f"a residual MLP needs more calibration observations than {n}; pass more texts.")
+    g = torch.Generator().manual_seed(budget.seed)
+    order = torch.randperm(n, generator=g)
+    val, train = order[: max(1, n // 20)], order[max(1, n // 20):]
+    mu, sigma = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
+    r_mu, r_sigma = residual[train].mean(0), residual[train].std(0).clamp_min(1e-6)
+    xs, rs = (x - mu) / sigma, (residual - r_mu) / r_sigma  # standardised copies
+    torch.manual_seed(budget.seed)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, residual.shape[1]))
+    torch.nn.init.zeros_(net[2].weight)  # start at the linear map: the MLP only adds what helps
+    torch.nn.init.zeros_(net[2].bias)
+    opt = torch.optim.AdamW(net.parameters(), lr=budget.lr, weight_decay=budget.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / budget.steps)))
+    with torch.enable_grad(), tqdm(total=budget.steps, desc=desc, unit="step", disable=not progress) as bar:
+        for _ in range(budget.steps):
+            idx = train[torch.randint(len(train), (min(budget.batch, len(train)),), generator=g)]
+            loss = F.mse_loss(net(xs[idx]), rs[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            schedule.step()
+            bar.update(1)
+    with torch.no_grad():
+        explained = 1.0 - float(((net(xs[val]) - rs[val]) ** 2).sum() / (rs[val] ** 2).sum().clamp_min(1e-12))
+        w1 = net[0].weight.T / sigma[:, None]  # (F_in, H): x̃ = (x − μ)/σ folded in
+        b1 = net[0].bias - (mu / sigma) @ net[0].weight.T
+        w2 = net[2].weight.T * r_sigma  # (H, Ft): output scale folded in
+        b2 = net[2].bias * r_sigma + r_mu
+    return (w1.float(), b1.float(), w2.float(), b2.float()), explained

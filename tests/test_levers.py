@@ -1,0 +1,131 @@
+"""Levers: lagged features, both caches, residual MLPs — exact cases of the hot path, format v2, and a real fit."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbridge import Mapper
+from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from kvbridge.errors import ArtifactError
+from kvbridge.hashing import sha256_file
+from kvbridge.mapper import Lever, MapperConfig
+from kvbridge.models import ModelInfo
+from kvbridge.rope import RopeSpec
+
+ROPE = RopeSpec("ministral3", "yarn", 4, {"rope_theta": 1e4})
+SOURCE = ModelInfo("org/small", None, "Ministral3ForCausalLM", 2, 2, 4, 512, ROPE, "tok")  # Fs = 8
+TARGET = ModelInfo("org/large", None, "Ministral3ForCausalLM", 3, 1, 4, 512, ROPE, "tok")  # Ft = 4
+ALL = {k: ((0, 1),) * 3 for k in ("key", "value")}
+
+
+def mapper(levers=(), seed=0) -> Mapper:
+    config = MapperConfig(source=SOURCE, target=TARGET, selection=ALL, levers=levers)
+    g = torch.Generator().manual_seed(seed)
+    return Mapper(config, {n: torch.randn(s, generator=g) for n, s in config.weight_shapes().items()})
+
+
+def cache(tokens=7, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(batch, 2, tokens, 4, generator=g) for _ in range(2)],
+            [torch.randn(batch, 2, tokens, 4, generator=g) for _ in range(2)])
+
+
+def feats(layers, t):
+    """Source layers' features of token t (B, Ls·Fs), heads head-major; zeros before the first token."""
+    if t < 0:
+        return torch.zeros(layers[0].shape[0], len(layers) * 8)
+    return torch.cat([x[:, :, t].flatten(1) for x in layers], dim=1)
+
+
+def test_a_lag_zero_lever_without_mlp_is_the_version_1_map():
+    plain = mapper()
+    lever = Mapper(MapperConfig(source=SOURCE, target=TARGET, selection=ALL, levers=(Lever("key", 2),)), plain.weights)
+    keys, values = cache()
+    for a, b in zip(plain.map(keys, values), lever.map(keys, values)):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_lagged_kv_features_with_an_mlp_match_the_formula():
+    lever = Lever("key", 1, lags=(0, 2), inputs=("key", "value"), hidden=5)
+    m = mapper((lever,))
+    keys, values = cache(tokens=6)
+    mk, _ = m.map(keys, values)
+    w, b = m.weights["key.1.weight"], m.weights["key.1.bias"]
+    w1, b1, w2, b2 = (m.weights[f"key.1.mlp.{n}"] for n in ("in.weight", "in.bias", "out.weight", "out.bias"))
+    for t in range(6):
+        x = torch.cat([feats(keys, t), feats(values, t), feats(keys, t - 2), feats(values, t - 2)], dim=1)
+        y = x @ w + b + F.gelu(x @ w1 + b1) @ w2 + b2  # (B, Ft)
+        assert torch.allclose(mk[1][:, 0, t], y, atol=1e-4)
+
+
+def test_lags_respect_positions_and_chunk_context():
+    """Left padding: lags before position 0 read zeros. Chunks: the tokens before a chunk feed its lags."""
+    m = mapper((Lever("value", 0, lags=(0, 1, 3)),))
+    keys, values = cache(tokens=9, batch=1)
+    whole = m.map(keys, values)[1][0]  # (1, Ht, 9, Dt)
+    # the same row left-padded by 2 columns of garbage: positions make the pads invisible to the lags
+    pad = lambda xs: [torch.cat([torch.full((1, 2, 2, 4), 7.0), x], dim=2) for x in xs]  # noqa: E731
+    positions = torch.tensor([[0, 0] + list(range(9))])
+    padded = m.map(pad(keys), pad(values), positions)[1][0][:, :, 2:]
+    assert torch.allclose(padded, whole, atol=1e-5)
+    # a chunk [5, 9) with 3 tokens of lag context equals the same columns of the whole map
+    chunk = m.map([k[:, :, 2:] for k in keys], [v[:, :, 2:] for v in values], torch.arange(2, 9)[None], past=3)
+    assert torch.allclose(chunk[1][0], whole[:, :, 5:], atol=1e-5)
+
+
+def test_format_2_round_trip_and_version_1_files_load_as_before(tmp_path):
+    m = mapper((Lever("key", 2, lags=(0, 1), inputs=("key", "value"), hidden=3),))
+    m.save_pretrained(tmp_path / "v2")
+    data = json.loads((tmp_path / "v2" / CONFIG_FILE).read_text())
+    assert data["format_version"] == 2 and data["levers"][0]["lags"] == [0, 1]
+    loaded = Mapper.from_pretrained(str(tmp_path / "v2"))
+    assert loaded.config == m.config and all(torch.equal(loaded.weights[n], t) for n, t in m.weights.items())
+
+    plain = mapper()
+    plain.save_pretrained(tmp_path / "v1")
+    folder = tmp_path / "v1"
+    data = json.loads((folder / CONFIG_FILE).read_text())
+    data["format_version"] = 1
+    del data["levers"]  # exactly what version-1 kvbridge wrote
+    (folder / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    (folder / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n" for n in (CONFIG_FILE, WEIGHTS_FILE)))
+    old = Mapper.from_pretrained(str(folder))
+    assert old.config.levers == ()
+    keys, values = cache()
+    for a, b in zip(plain.map(keys, values), old.map(keys, values)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("bad", [dict(lags=()), dict(lags=(2, 1)), dict(lags=(-1,)), dict(inputs=("query",)),
+                                 dict(hidden=-1), dict(kind="keys")])
+def test_bad_levers_are_refused(bad):
+    with pytest.raises(ArtifactError):
+        Lever(**({"kind": "key", "layer": 0} | bad))
+    with pytest.raises(ArtifactError, match="target layer 5"):
+        MapperConfig(source=SOURCE, target=TARGET, selection=ALL, levers=(Lever("key", 5),))
+
+
+def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
+    """Lags over both caches and a residual MLP fit, save, verify, reload and generate; the lever helps held-out R²."""
+    from kvbridge.fit import FitConfig, fit_mapper
+    from kvbridge.models import load_model
+    from kvbridge.stats import read_texts
+    from kvbridge.transfer import Bridge
+
+    source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
+    texts = read_texts(tiny_pair[2])
+    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4)
+    plain = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
+    levered = fit_mapper(source, target, texts, FitConfig(**base, lags=(0, 1), lever_inputs="kv", mlp_hidden=8,
+                                                          mlp_steps=30, lever_layers=(2,)), progress=False)
+    assert [(v.kind, v.layer, v.lags, v.hidden) for v in levered.config.levers] == [("key", 2, (0, 1), 8)]
+    report = levered.config.fit["levers"]["key.2"]
+    assert report["features"] == 2 * 2 * 2 * 32 and 0 < report["r2_fit_linear"] <= 1
+    assert levered.config.fit["key_r2_heldout"][2] > plain.config.fit["key_r2_heldout"][2]
+    levered.save_pretrained(tmp_path / "m")
+    bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")), chunk_tokens=5)
+    out = bridge.generate(["Return a new dictionary initialized from", "The logging module"], max_new_tokens=4)
+    assert all(len(t) == 4 for t in out.token_ids)
