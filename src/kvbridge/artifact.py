@@ -27,11 +27,11 @@ from . import __version__
 from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
-from .mapper import Lever, Mapper, MapperConfig
+from .mapper import Lever, Mapper, MapperConfig, RuntimeOptions
 from .models import ModelInfo
 
 FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs); version-1 files read as maps without levers
+FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs) and "runtime"; version-1 files read as plain maps
 WEIGHTS_FILE = "mapper.safetensors"
 CONFIG_FILE = "mapper.json"
 CHECKSUMS_FILE = "checksums.sha256"
@@ -56,6 +56,7 @@ def config_to_json(config: MapperConfig) -> dict[str, Any]:
         "feature_layout": FEATURE_LAYOUT,
         "selection": {kind: [list(layers) for layers in config.selection[kind]] for kind in config.selection},
         "levers": [lever.to_dict() for lever in config.levers],
+        "runtime": config.runtime.to_dict(),
         "num_parameters": config.num_parameters(),
         "weights_dtype": "float32",
         "fit": config.fit,
@@ -78,6 +79,7 @@ def config_from_json(data: dict[str, Any]) -> MapperConfig:
             selection={k: tuple(tuple(int(s) for s in layers) for layers in v) for k, v in data["selection"].items()},
             fit=dict(data.get("fit", {})),
             levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])),
+            runtime=RuntimeOptions.from_dict(data.get("runtime", {})),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); re-download or refit the mapper.") from None

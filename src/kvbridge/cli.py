@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("--items", type=int, default=16, help="texts to use (default: 16)")
     dg.add_argument("--seq-len", type=int, default=256, help="tokens per text (default: 256)")
     dg.add_argument("--out", default="diagnostics", help="folder for diagnostics.json and the plots")
+    dg.add_argument("--oracle", action="store_true",
+                    help="also measure, per target layer and kind (key, value, both), the mean floor-normalized "
+                         "retention on the family tasks when that layer's native K/V replace the mapped ones")
 
     ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
     ins.add_argument("mapper", help="mapper folder or hub id")
@@ -304,15 +307,29 @@ def _cmd_eval(args) -> int:
 def _cmd_diagnose(args) -> int:
     import json
 
-    from .diagnose import diagnose, plot_diagnostics
+    from .diagnose import diagnose, oracle, plot_diagnostics
     from .stats import read_texts
 
     texts = read_texts(args.texts)
-    report = diagnose(_bridge(args), texts, args.items, args.seq_len)
+    if args.items < 4 or args.seq_len < 128:
+        raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 (the recall task places spans 64+ tokens apart).")
+    bridge = _bridge(args)
+    report = diagnose(bridge, texts, args.items, args.seq_len)
+    if args.oracle:
+        report["oracle"] = oracle(bridge, texts, args.items, args.seq_len)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnostics.json").write_text(json.dumps(report, indent=2) + "\n")
     plots = plot_diagnostics(report, out)
+    if args.oracle:
+        rows = report["oracle"]["rows"]
+        print(f"plain map: mean floor-normalized retention {100 * rows[0]['mean_floor_normalized_retention']:.1f}%")
+        print("| Target layer made native | keys | values | both |\n|---:|---:|---:|---:|")
+        for layer in range(bridge.target.info.num_layers):
+            cells = [100 * next(r["mean_floor_normalized_retention"] for r in rows
+                                if r["target_layer"] == layer and r["kind"] == kind) for kind in ("key", "value", "both")]
+            print(f"| {layer} | " + " | ".join(f"{c:.1f}%" for c in cells) + " |")
+        print()
     print("| Target layer | R² keys | R² values | Attention-output cosine |")
     print("|---:|---:|---:|---:|")
     for layer, (rk, rv, c) in enumerate(zip(report["key_r2"], report["value_r2"], report["attention_cosine"])):

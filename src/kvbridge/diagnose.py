@@ -10,6 +10,9 @@ Letters: B batch, T tokens, H query heads, Hkv kv heads, D head dim, L target la
   than R².
 * **Next-token KL and top-1 agreement** between the target's native logits and its logits from a
   mapped cache over the same context (the last context token read natively, as at runtime).
+* **Oracle** (``--oracle``): for each target layer and kind (key, value, both), the mean
+  floor-normalized retention on the family tasks when that layer's native K/V replace the mapped
+  ones. Where the retention jumps, the map loses quality; that is where levers should go.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .evaluate import heldout_rows
+from .evaluate import family_tasks, heldout_rows, mean_retention
 from .fit import heldout_r2
-from .models import cache_kv, positions_from_mask, prefill
+from .models import cache_kv, make_cache, positions_from_mask, prefill
 from .rope import apply_rope, query_scale, rotary_factors
 from .transfer import Bridge
 
@@ -94,6 +97,40 @@ def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> 
     return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
 
 
+class OracleBridge(Bridge):
+    """A bridge whose mapped cache takes the chosen layers' keys and/or values from the target's own prefill."""
+
+    def __init__(self, bridge: Bridge, native: dict[int, str]):
+        self.__dict__.update(bridge.__dict__)
+        if any(kind not in ("key", "value", "both") for kind in native.values()):
+            raise ValueError("oracle kinds are key, value or both")
+        self.native = native  # target layer → "key" | "value" | "both"
+
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
+        mk, mv = cache_kv(super().mapped_cache(ids, mask))
+        nk, nv = cache_kv(prefill(self.target.model, ids, mask, logits="none")[0])
+        for layer, kind in self.native.items():
+            if kind in ("key", "both"):
+                mk[layer] = nk[layer]
+            if kind in ("value", "both"):
+                mv[layer] = nv[layer]
+        return make_cache(self.target.model, mk, mv)
+
+
+def oracle(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256, progress: bool = True) -> dict:
+    """Mean floor-normalized retention of the plain mapped cache and of each one-layer oracle."""
+    from tqdm.auto import tqdm
+
+    baseline = family_tasks(bridge, texts, items, seq_len)
+    rows = [{"target_layer": None, "kind": "none", "mean_floor_normalized_retention": mean_retention(baseline)}]
+    variants = [(layer, kind) for layer in range(bridge.target.info.num_layers) for kind in ("key", "value", "both")]
+    for layer, kind in tqdm(variants, desc="oracle", disable=not progress):
+        results = family_tasks(OracleBridge(bridge, {layer: kind}), texts, items, seq_len, reference=baseline)
+        rows.append({"target_layer": layer, "kind": kind, "mean_floor_normalized_retention": mean_retention(results),
+                     "tasks": {r.task: r.floor_normalized_retention for r in results}})
+    return {"items": items, "seq_len": seq_len, "baseline": [r.to_dict() for r in baseline], "rows": rows}
+
+
 def diagnose(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256) -> dict:
     """Every diagnostic on ``items`` held-out rows of ``seq_len`` tokens."""
     rows = heldout_rows(bridge.tokenizer, texts, items, seq_len)
@@ -122,6 +159,23 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
         ax.set_ylim(min(0.0, min(values)), 1.0)
         fig.tight_layout()
         path = Path(out_dir) / f"{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    if "oracle" in report:
+        rows = report["oracle"]["rows"]
+        layers = sorted({r["target_layer"] for r in rows if r["target_layer"] is not None})
+        fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.5 + 2), 3.4))
+        for i, kind in enumerate(("key", "value", "both")):
+            values = [100 * next(r["mean_floor_normalized_retention"] for r in rows
+                                 if r["target_layer"] == layer and r["kind"] == kind) for layer in layers]
+            ax.bar([layer + (i - 1) * 0.27 for layer in layers], values, width=0.27, label=f"native {kind}")
+        ax.axhline(100 * rows[0]["mean_floor_normalized_retention"], color="black", lw=1, ls="--", label="plain map")
+        ax.set(xlabel="target layer made native", ylabel="mean floor-normalized retention (%)",
+               title="oracle: where the map loses quality")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(out_dir) / "oracle.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(str(path))

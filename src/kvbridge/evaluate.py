@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -121,16 +121,31 @@ def _score(bridge: Bridge, contexts, continuations, mode, batch_size):
     return out
 
 
-def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_size: int = 8) -> TaskResult:
+def _modes(reference: TaskResult | None) -> tuple[str, ...]:
+    """Modes a task must run: all three, or only ``mapped`` when a reference run on the same rows gives the rest."""
+    return ("mapped",) if reference is not None else ("native", "mapped", "source")
+
+
+def _result(task: str, metric: str, values: dict, floor: float | None, n: int, reference: TaskResult | None,
+            higher_is_better: bool = True) -> TaskResult:
+    if reference is not None:
+        return replace(reference, mapped=values["mapped"])
+    return TaskResult(task, metric, values["native"], values["mapped"], values["source"], floor, n, higher_is_better)
+
+
+def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_size: int = 8,
+                    reference: TaskResult | None = None) -> TaskResult:
     ctx = [r[:-scored].tolist() for r in rows]
     cont = [r[-scored:].tolist() for r in rows]
     tokens = scored * len(rows)
     ppl = {m: math.exp(-sum(s.logprob for s in _score(bridge, ctx, cont, m, batch_size)) / tokens)
-           for m in ("native", "mapped", "source")}
-    bos = [bridge.tokenizer.bos_token_id]  # the no-context floor: the target after BOS alone
-    floor = math.exp(-sum(score_plain(bridge.target.model, bos, c).logprob for c in cont) / tokens)
-    return TaskResult("perplexity", f"ppl of last {scored} tokens", ppl["native"], ppl["mapped"], ppl["source"],
-                      floor, len(rows), higher_is_better=False)
+           for m in _modes(reference)}
+    floor = None
+    if reference is None:
+        bos = [bridge.tokenizer.bos_token_id]  # the no-context floor: the target after BOS alone
+        floor = math.exp(-sum(score_plain(bridge.target.model, bos, c).logprob for c in cont) / tokens)
+    return _result("perplexity", f"ppl of last {scored} of {rows.shape[1]} tokens", ppl, floor, len(rows), reference,
+                   higher_is_better=False)
 
 
 def cloze_items(rows: torch.Tensor, context: int) -> list[tuple[list[int], list[list[int]]]]:
@@ -152,7 +167,8 @@ def chose_truth(scores: list[float]) -> bool:
     return all(scores[0] > s for s in scores[1:])
 
 
-def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int = 8) -> TaskResult:
+def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int = 8,
+               reference: TaskResult | None = None) -> TaskResult:
     n = len(rows)
     if n < 4:
         raise InputError("the cloze task needs at least 4 held-out rows.")
@@ -161,11 +177,11 @@ def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int
         ctx += [c] * 4
         cont += choices
     acc = {}
-    for mode in ("native", "mapped", "source"):
+    for mode in _modes(reference):
         scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
         acc[mode] = sum(chose_truth(scores[4 * i : 4 * i + 4]) for i in range(n)) / n
-    return TaskResult("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations)", acc["native"],
-                      acc["mapped"], acc["source"], 0.25, n)
+    return _result("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations after {context} tokens)", acc,
+                   0.25, n, reference)
 
 
 def frequent_ids(rows: torch.Tensor, reserved: set[int], n: int) -> list[int]:
@@ -207,7 +223,7 @@ def recall_items(rows: torch.Tensor, alphabet: list[int] | None, seed: int = 0, 
 
 
 def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int | None = 1024,
-                batch_size: int = 8) -> TaskResult:
+                batch_size: int = 8, reference: TaskResult | None = None) -> TaskResult:
     """Recall a span stated early: random distinct tokens of the ``alphabet_size`` most frequent tokens,
     or (``alphabet_size=None``) a real-text span of another document. The floor is measured: the
     target's accuracy on the same contexts without the early occurrence."""
@@ -219,21 +235,35 @@ def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int | None = 
         scores = _score(bridge, contexts, cont, mode, batch_size)
         return sum(s.correct for s in scores) / sum(s.tokens for s in scores)
 
-    acc = {mode: accuracy(ctx, mode) for mode in ("native", "mapped", "source")}
+    acc = {mode: accuracy(ctx, mode) for mode in _modes(reference)}
     what = "real-text span" if alphabet is None else f"random span of {len(alphabet)} frequent tokens"
-    return TaskResult(f"recall ({'real' if alphabet is None else 'random'})", f"token accuracy, {SPAN}-token {what}",
-                      acc["native"], acc["mapped"], acc["source"], accuracy(floor_ctx, "native"), len(rows))
+    distance = rows.shape[1] - 64 - 40  # at least this many tokens between the early span and its repeat
+    return _result(f"recall ({'real' if alphabet is None else 'random'})",
+                   f"token accuracy, {SPAN}-token {what}, ≥{distance} tokens back", acc,
+                   None if reference is not None else accuracy(floor_ctx, "native"), len(rows), reference)
 
 
-def family_tasks(bridge: Bridge, texts: list[str], items: int = 32, seq_len: int = 256) -> list[TaskResult]:
-    """Run the three family tasks on ``items`` held-out documents."""
+def family_tasks(bridge: Bridge, texts: list[str], items: int = 32, seq_len: int = 256,
+                 reference: list[TaskResult] | None = None, batch_size: int = 8) -> list[TaskResult]:
+    """Run the four family tasks on ``items`` held-out documents of ``seq_len`` tokens.
+
+    With ``reference`` (the results of an earlier run on the same texts, items and length), only the
+    mapped mode runs and native, source and floors are copied: what a sweep over mappers needs.
+    """
     rows = heldout_rows(bridge.tokenizer, texts, items, seq_len)
+    ref = reference or [None] * 4
     return [
-        task_perplexity(bridge, rows, scored=seq_len // 4),
-        task_cloze(bridge, rows, context=seq_len - CHOICE_TOKENS),
-        task_recall(bridge, rows),
-        task_recall(bridge, rows, alphabet_size=None),
+        task_perplexity(bridge, rows, scored=seq_len // 4, batch_size=batch_size, reference=ref[0]),
+        task_cloze(bridge, rows, context=seq_len - CHOICE_TOKENS, batch_size=batch_size, reference=ref[1]),
+        task_recall(bridge, rows, batch_size=batch_size, reference=ref[2]),
+        task_recall(bridge, rows, alphabet_size=None, batch_size=batch_size, reference=ref[3]),
     ]
+
+
+def mean_retention(results: list[TaskResult]) -> float:
+    """Mean floor-normalized retention over the tasks where native beats the floor (NaN if none)."""
+    defined = [r.floor_normalized_retention for r in results if _defined(r)]
+    return sum(defined) / len(defined) if defined else float("nan")
 
 
 def _defined(r: TaskResult) -> bool:

@@ -73,6 +73,40 @@ class Lever:
 
 
 @dataclass(frozen=True)
+class RuntimeOptions:
+    """How a mapper is meant to be used at runtime; a ``Bridge`` takes these unless told otherwise.
+
+    ``hold_back``: last prompt tokens the target reads itself; ``recompute``: fraction of the prefix
+    tokens the target recomputes over the mapped cache (:mod:`kvbridge.recompute`), chosen by
+    ``recompute_by``; ``sink``: always recompute each row's first token.
+    """
+
+    hold_back: int = 1
+    recompute: float = 0.0
+    recompute_by: str = "surprisal"
+    sink: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.hold_back, int) or self.hold_back < 1:
+            raise ArtifactError(f"runtime hold_back must be an integer >= 1, not {self.hold_back!r}.")
+        if not isinstance(self.recompute, (int, float)) or not 0.0 <= self.recompute <= 1.0:
+            raise ArtifactError(f"runtime recompute must be a fraction in [0, 1], not {self.recompute!r}.")
+        if self.recompute_by not in ("surprisal",):
+            raise ArtifactError(f"runtime recompute_by must be 'surprisal', not {self.recompute_by!r}.")
+        if not isinstance(self.sink, bool):
+            raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hold_back": self.hold_back, "recompute": float(self.recompute), "recompute_by": self.recompute_by,
+                "sink": self.sink}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RuntimeOptions":
+        known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "sink") if k in data}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
 class Features:
     """What feeds one target layer: source layers, input kinds, lags (lag-major, then kind, then layer)."""
 
@@ -93,6 +127,7 @@ class MapperConfig:
     selection: dict[str, tuple[tuple[int, ...], ...]]  # kind -> per target layer, sorted source layers
     fit: dict[str, Any] = field(default_factory=dict)
     levers: tuple[Lever, ...] = ()
+    runtime: RuntimeOptions = RuntimeOptions()
 
     def __post_init__(self):
         for kind in KINDS:

@@ -76,13 +76,21 @@ class Generation:
 class Bridge:
     """A source model, a target model and a mapper between them, checked to belong together."""
 
-    def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int = 1,
-                 allow_revision_mismatch: bool = False, chunk_tokens: int = 1024):
+    def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int | None = None,
+                 allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
+                 sink: bool | None = None):
+        """``hold_back``, ``recompute`` and ``sink`` default to the mapper's recorded runtime options."""
         if chunk_tokens < 1:
             raise InputError("chunk_tokens must be >= 1.")
         self.chunk_tokens = chunk_tokens
+        runtime = mapper.config.runtime
+        hold_back = runtime.hold_back if hold_back is None else hold_back
         if hold_back < 1:
             raise InputError("hold_back must be >= 1: the target must consume at least the last prompt token itself.")
+        self.recompute = runtime.recompute if recompute is None else float(recompute)
+        if not 0.0 <= self.recompute <= 1.0:
+            raise InputError(f"recompute must be a fraction in [0, 1], not {recompute}.")
+        self.sink = runtime.sink if sink is None else bool(sink)
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, hold_back
         self.tokenizer = target.tokenizer
@@ -92,14 +100,15 @@ class Bridge:
                         target_revision: str | None = None, mapper_revision: str | None = None,
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         mapper_device: str | None = None, target_device: str | None = None,
-                        hold_back: int = 1, allow_revision_mismatch: bool = False) -> "Bridge":
+                        hold_back: int | None = None, allow_revision_mismatch: bool = False,
+                        recompute: float | None = None, sink: bool | None = None) -> "Bridge":
         from .models import load_model, resolve_dtype
 
         torch_dtype = resolve_dtype(dtype, device)
         m = Mapper.from_pretrained(mapper, revision=mapper_revision, device=mapper_device or device, dtype=torch_dtype)
         s = load_model(source, source_revision, device, torch_dtype)
         t = load_model(target, target_revision, target_device or device, torch_dtype)
-        return cls(s, t, m, hold_back, allow_revision_mismatch)
+        return cls(s, t, m, hold_back, allow_revision_mismatch, recompute=recompute, sink=sink)
 
     # -- inputs ------------------------------------------------------------------------------
     def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +162,11 @@ class Bridge:
         return ids, mask
 
     # -- caches ------------------------------------------------------------------------------
+    @property
+    def selects_tokens(self) -> bool:
+        """Whether the mapped cache needs the source's logits (selective recompute or a native sink)."""
+        return self.recompute > 0 or self.sink
+
     @torch.no_grad()
     def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
         """The source's own cache over a left-padded batch (decoder only, no logits) and its positions."""
@@ -194,8 +208,17 @@ class Bridge:
         return make_cache(self.target.model, out_k, out_v)
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill."""
-        return self.map_cache(*self.source_prefill(ids, mask))
+        """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
+        ``recompute``/``sink``, the target's recompute of the chosen tokens)."""
+        if not self.selects_tokens:
+            return self.map_cache(*self.source_prefill(ids, mask))
+        from .recompute import choose_columns, recompute_columns, surprisal
+
+        positions = positions_from_mask(mask)
+        source_cache, logits = prefill(self.source.model, ids, mask, positions, logits="all")
+        cache = self.map_cache(source_cache, positions)
+        columns = choose_columns(surprisal(logits, ids), mask, self.recompute, self.sink)
+        return recompute_columns(self.target.model, cache, ids, mask, positions, columns)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
         """The model that continues and its cache over all but the last ``hold_back`` columns."""

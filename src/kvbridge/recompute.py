@@ -1,0 +1,82 @@
+"""Selective token recompute: the target recomputes the K/V of a few prefix tokens over the mapped cache.
+
+Letters: B batch, T prefix columns (left-padded), n recomputed tokens per row, H kv heads, D head dim.
+
+In the spirit of CacheBlend (Yao et al., 2024): after the mapper has built the target's cache, the
+target runs one forward pass over ``n`` chosen prefix tokens, at their own positions, attending to
+the mapped K/V of every other earlier token and to the fresh K/V of the chosen earlier tokens. Their
+fresh K/V, layer by layer, then replace the mapped ones. The cost is that of a target forward over
+``n`` tokens (a fraction of a native prefill); with every token chosen the result is the native cache
+exactly.
+
+Which tokens: ``surprisal`` picks, per row, the tokens the *source* model found least predictable
+(−log p of the token under the source's next-token distribution) — spans that only the context can
+explain, such as names, numbers or a sequence to be recalled later, are where a mapped key that is
+slightly off costs most. The row's first token (the attention sink, no surprisal) is always kept
+when ``sink`` is set. The source's logits cost a vocabulary projection per prefix token, counted by
+``kvbridge bench``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .models import cache_kv, make_cache
+
+CRITERIA = ("surprisal",)
+
+
+def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) −log p(token t | tokens < t) under ``logits`` (B, T, V); column 0 gets 0."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T−1, V): column t predicts t + 1
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
+    out[:, 1:] = -logprobs.gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    return out
+
+
+def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, sink: bool) -> torch.Tensor:
+    """(B, n) sorted columns to recompute: the top ``fraction`` of each row's real tokens by ``scores``.
+
+    ``n`` is the same for every row (ceil of the fraction of the widest row); a shorter row fills its
+    surplus with pad columns, which nothing attends to.
+    """
+    real = mask.sum(-1)  # (B,)
+    n = min(max(int(math.ceil(fraction * int(real.max()))), int(sink)), mask.shape[1])
+    ranked = scores.float().masked_fill(mask == 0, float("-inf"))
+    if sink:  # each row's first real token: the column where the mask turns on
+        first = (mask.cumsum(-1) == 1) & (mask == 1)
+        ranked = ranked.masked_fill(first, float("inf"))
+    return torch.topk(ranked, n, dim=-1).indices.sort(dim=-1).values
+
+
+@torch.no_grad()
+def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                      columns: torch.Tensor):
+    """A new cache equal to ``cache`` except at ``columns`` (B, n), whose K/V ``model`` recomputes over it."""
+    device = next(model.parameters()).device
+    b, t = ids.shape
+    n = columns.shape[1]
+    ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
+    keys, values = cache_kv(cache)
+    chosen = torch.zeros(b, t, dtype=torch.bool, device=device).scatter_(1, columns, True)  # (B, T)
+    q_pos = positions.gather(1, columns)  # (B, n)
+    q_real = mask.gather(1, columns).bool()  # (B, n): surplus picks of short rows are pads
+    # a chosen token attends to earlier mapped tokens that are not being replaced ...
+    old = (mask.bool() & ~chosen)[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None])  # (B, n, T)
+    # ... and to the fresh K/V of chosen tokens at or before its position (itself included)
+    new = (q_real[:, None, :] & (q_pos[:, None, :] <= q_pos[:, :, None])) | torch.eye(n, dtype=torch.bool,
+                                                                                       device=device)[None]
+    allowed = torch.cat([old & q_real[:, :, None], new], dim=-1)[:, None]  # (B, 1, n, T + n)
+    work = make_cache(model, [k.clone() for k in keys], [v.clone() for v in values])
+    out = model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=allowed, position_ids=q_pos,
+                              cache=work, use_cache=True)
+    fresh_k, fresh_v = cache_kv(out.cache)
+    index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
+    new_k, new_v = [], []
+    for k, v, fk, fv in zip(keys, values, fresh_k, fresh_v):
+        idx = index.expand(-1, k.shape[1], -1, k.shape[3])
+        new_k.append(k.scatter(2, idx, fk[:, :, t:].to(k.dtype)))  # (B, H, T, D)
+        new_v.append(v.scatter(2, idx, fv[:, :, t:].to(v.dtype)))
+    return make_cache(model, new_k, new_v)

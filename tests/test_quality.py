@@ -1,0 +1,86 @@
+"""Quality tooling: the oracle diagnostic and the frontier, on the embedded family."""
+
+import json
+
+import torch
+
+import pytest
+
+from kvbridge import Mapper, family
+from kvbridge.cli import main
+from kvbridge.diagnose import OracleBridge
+from kvbridge.evaluate import family_tasks, mean_retention
+from kvbridge.fit import FitConfig, fit_mapper
+from kvbridge.transfer import Bridge
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return family.load_family()
+
+
+@pytest.fixture(scope="module")
+def bridge(pair):
+    source, target = pair
+    mapper = fit_mapper(source, target, family.calibration_texts(),
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0), progress=False)
+    return Bridge(source, target, mapper)
+
+
+def test_an_oracle_of_every_layer_is_native(bridge):
+    texts = family.heldout_texts()
+    baseline = family_tasks(bridge, texts, items=8, seq_len=128)
+    every = OracleBridge(bridge, {layer: "both" for layer in range(bridge.target.info.num_layers)})
+    results = family_tasks(every, texts, items=8, seq_len=128, reference=baseline)
+    for r in results:
+        assert r.mapped == pytest.approx(r.native, rel=1e-6, abs=1e-6), r.task
+    assert mean_retention(results) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_diagnose_oracle_writes_rows_and_plot(bridge, tmp_path, capsys):
+    mapper = tmp_path / "m"
+    bridge.mapper.save_pretrained(mapper)
+    texts = tmp_path / "held.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in family.heldout_texts()[:30]))
+    out = tmp_path / "diag"
+    assert main(["diagnose", "--source", family.source_path(), "--target", family.target_path(), "--mapper",
+                 str(mapper), "--texts", str(texts), "--items", "4", "--seq-len", "128", "--out", str(out),
+                 "--oracle"]) == 0
+    rows = json.loads((out / "diagnostics.json").read_text())["oracle"]["rows"]
+    assert len(rows) == 1 + 4 * 3
+    assert {tuple(sorted(r)) for r in rows[1:]} == {("kind", "mean_floor_normalized_retention", "target_layer", "tasks")}
+    assert (out / "oracle.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Target layer made native" in capsys.readouterr().out
+
+
+def _zero_mapper(bridge):
+    from kvbridge.mapper import Mapper as M
+
+    return M(bridge.mapper.config, {n: torch.zeros_like(t) for n, t in bridge.mapper.weights.items()})
+
+
+@pytest.mark.parametrize("prompts", [["def read(path):\n    with open(path) as handle:\n        return"],
+                                     ["import os\n\ndef main():\n    print(os.getcwd())\n", "x = 1\ny ="]])
+def test_recomputing_every_token_gives_the_native_cache(bridge, prompts):
+    """Even from an all-zero mapper, a recompute of all prefix tokens is exactly the target's own prefill."""
+    from kvbridge.models import cache_kv, prefill
+
+    zero = Bridge(bridge.source, bridge.target, _zero_mapper(bridge), recompute=1.0)
+    ids, mask = zero.encode(prompts)
+    mapped = cache_kv(zero.mapped_cache(ids, mask))
+    native = cache_kv(prefill(bridge.target.model, ids, mask, logits="none")[0])
+    real = mask.bool()[:, None, :, None]  # pad columns hold whatever: nothing attends to them
+    for a, b in zip(mapped[0] + mapped[1], native[0] + native[1]):
+        assert torch.allclose(a * real, b * real, atol=1e-4)
+    scores = zero.score(prompts, [" x"] * len(prompts))
+    native_scores = zero.score(prompts, [" x"] * len(prompts), mode="native")
+    assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in native_scores], abs=1e-4)
+
+
+def test_recompute_picks_the_sources_most_surprising_tokens():
+    from kvbridge.recompute import choose_columns
+
+    scores = torch.tensor([[0.0, 0.0, 5.0, 1.0, 9.0, 2.0], [0.0, 3.0, 1.0, 8.0, 2.0, 7.0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    assert choose_columns(scores, mask, 0.3, sink=False).tolist() == [[2, 4], [3, 5]]
+    assert choose_columns(scores, mask, 0.0, sink=True).tolist() == [[2], [0]]  # the first real token
