@@ -33,6 +33,58 @@ def _add_mapper(p: argparse.ArgumentParser) -> None:
                    help="accept models whose revision differs from the mapper's record (geometry must still match)")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2, not {text!r}") from None
+
+
+def _add_levers(p: argparse.ArgumentParser) -> None:
+    from .fit import FitConfig
+
+    d = FitConfig()
+    g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
+                                       "the defaults are the frontier's recommended point on the embedded family")
+    g.add_argument("--lags", type=_int_list, default=d.lags,
+                   help=f"source tokens t-j feeding target token t on lever layers (default: "
+                        f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
+    g.add_argument("--lever-inputs", choices=["same", "kv"], default=d.lever_inputs,
+                   help=f"lever features from the same cache (keys for keys) or from keys and values "
+                        f"(default: {d.lever_inputs})")
+    g.add_argument("--lever-kinds", default=",".join(d.lever_kinds),
+                   help=f"target caches that get levers: key, value or key,value (default: {','.join(d.lever_kinds)})")
+    g.add_argument("--lever-layers", type=_int_list, default=None,
+                   help="target layers that get levers (default: the --lever-count layers with the lowest fit R²)")
+    g.add_argument("--lever-count", type=int, default=d.lever_count,
+                   help=f"how many target layers get levers when --lever-layers is not given (default: {d.lever_count})")
+    g.add_argument("--lever-stride", type=int, default=d.lever_stride,
+                   help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
+    g.add_argument("--mlp-hidden", type=int, default=d.mlp_hidden,
+                   help=f"width of a residual MLP on lever layers, 0 for none (default: {d.mlp_hidden})")
+    g.add_argument("--mlp-steps", type=int, default=d.mlp_steps, help=f"MLP training steps (default: {d.mlp_steps})")
+    g.add_argument("--mlp-batch", type=int, default=d.mlp_batch,
+                   help=f"observations per MLP step (default: {d.mlp_batch})")
+    g.add_argument("--mlp-lr", type=float, default=d.mlp_lr, help=f"MLP learning rate (default: {d.mlp_lr})")
+    g.add_argument("--seed", type=int, default=d.seed, help=f"seed of the MLP training (default: {d.seed})")
+    r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
+    r.add_argument("--recompute", type=float, default=d.recompute,
+                   help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
+                        f"source's surprisal (default: {d.recompute})")
+    r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
+                   help="the target recomputes each prompt's first token (attention sink)")
+    r.add_argument("--hold-back", type=int, default=d.hold_back,
+                   help=f"last prompt tokens the target reads itself (default: {d.hold_back})")
+
+
+def _lever_settings(args) -> dict:
+    kinds = tuple(k.strip() for k in args.lever_kinds.split(",") if k.strip())
+    return dict(lags=args.lags, lever_inputs=args.lever_inputs, lever_kinds=kinds, lever_layers=args.lever_layers,
+                lever_count=args.lever_count, lever_stride=args.lever_stride, mlp_hidden=args.mlp_hidden,
+                mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr, seed=args.seed,
+                recompute=args.recompute, sink=args.sink, hold_back=args.hold_back)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge",
@@ -61,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--heldout-texts", type=int, default=4,
                      help="extra sequences after the calibration ones, for held-out R² (default: 4; 0 to skip)")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_levers(fit)
 
     gen = sub.add_parser("generate", help="answer a prompt from a mapped cache (optionally beside native)",
                          description="The source prefills the prompt except its last token(s), the mapper builds the "
@@ -70,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, action="append",
                      help="prompt text; repeat for a batch of prompts (different lengths are fine)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
-    gen.add_argument("--hold-back", type=int, default=1, help="last prompt tokens the target reads itself (default: 1)")
+    gen.add_argument("--hold-back", type=int, default=None,
+                     help="last prompt tokens the target reads itself (default: the artifact's runtime option)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (with --sample)")
@@ -85,6 +139,22 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="keep the artifact (OUT/mapper) and every figure (OUT/demo.json) here")
     demo.add_argument("--quick", action="store_true", help="a reduced run for smoke tests (seconds, not minutes)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
+                        description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
+                                    "MLP, selective recompute, native sink), measures each on the family tasks at two "
+                                    "context lengths and its time to first token against native at the longest, and "
+                                    "writes OUT/frontier.json, frontier.md and frontier.png with the Pareto front and "
+                                    "the recommended point (best retention with a TTFT speed-up >= 1.5x). Without "
+                                    "--source/--target it runs on the embedded family.", epilog=EPILOG)
+    fr.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
+    fr.add_argument("--source", help="source model (default: the embedded family's)")
+    fr.add_argument("--target", help="target model (default: the embedded family's)")
+    fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
+    fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
+    fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
+    fr.add_argument("--quick", action="store_true", help="a reduced grid for smoke tests (seconds, not minutes)")
+    fr.add_argument("--quiet", action="store_true", help="no progress bars")
 
     bench = sub.add_parser("bench", help="latency table: native prefill vs source prefill + map, with FLOP limits",
                            description="Times native target prefill, source prefill, warm map and cold source+map per "
@@ -163,7 +233,8 @@ def _cmd_fit(args) -> int:
     from .stats import read_texts
 
     config = FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
-                       ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts)
+                       ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
+                       **_lever_settings(args))
     texts = read_texts(args.texts)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -230,6 +301,30 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_frontier(args) -> int:
+    from . import family
+    from .frontier import FULL, QUICK, frontier_table, run_frontier
+    from .models import load_model
+    from .stats import read_texts
+
+    if bool(args.source) != bool(args.target):
+        raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
+    if args.source and not args.heldout:
+        raise KVBridgeError("--heldout is needed with your own pair: texts the models were not calibrated on.")
+    if args.source:
+        source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
+    else:
+        source, target = family.load_family(device=args.device)
+    calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
+    heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
+    report = run_frontier(source, target, calibration, heldout, QUICK if args.quick else FULL, args.out,
+                          progress=not args.quiet)
+    print()
+    print(frontier_table(report))
+    print(f"\nwritten: {Path(args.out) / 'frontier.json'}, frontier.md, frontier.png ({report['seconds']:.0f} s)")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     import json
 
@@ -265,7 +360,7 @@ def _bridge(args):
         args.source, args.target, args.mapper, source_revision=args.source_revision,
         target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
         dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
-        hold_back=getattr(args, "hold_back", 1), allow_revision_mismatch=args.allow_revision_mismatch)
+        hold_back=getattr(args, "hold_back", None), allow_revision_mismatch=args.allow_revision_mismatch)
 
 
 def _cmd_eval(args) -> int:
@@ -431,6 +526,7 @@ def _log(message: str) -> None:
 
 
 COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
+            "frontier": _cmd_frontier,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
             "inspect": _cmd_inspect, "verify": _cmd_verify}
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .errors import FitError, InputError
-from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, layer_features
+from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
 from .models import LoadedModel, prefill_content
 from .stats import (
     CalibrationStats,
@@ -66,6 +66,10 @@ class FitConfig:
     mlp_batch: int = 1024
     mlp_lr: float = 1e-3
     seed: int = 0
+    # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
+    hold_back: int = 1
+    recompute: float = 0.0
+    sink: bool = False
 
     @property
     def has_levers(self) -> bool:
@@ -89,6 +93,12 @@ class FitConfig:
             raise InputError("--lever-layers must be target layer indices >= 0.")
         if self.mlp_hidden < 0 or self.mlp_steps < 1 or self.mlp_batch < 1 or not self.mlp_lr > 0:
             raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0.")
+        if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
+            raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
+
+    @property
+    def runtime(self) -> RuntimeOptions:
+        return RuntimeOptions(hold_back=self.hold_back, recompute=float(self.recompute), sink=bool(self.sink))
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
         if self.seq_len < 2:
@@ -327,7 +337,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         if report[kind]["single_layer_r2"] is not None:
             fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
-                                 levers=levers), weights)
+                                 levers=levers, runtime=config.runtime), weights)
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
         for kind in KINDS:

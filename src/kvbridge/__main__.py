@@ -1,0 +1,7 @@
+"""``python -m kvbridge`` is the ``kvbridge`` command (also under torchrun)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
