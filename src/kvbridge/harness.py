@@ -17,7 +17,10 @@ from .errors import InputError
 from .evaluate import CHOICE_TOKENS, cloze_items, frequent_ids, heldout_rows, recall_items, retention
 
 TASKS_DIR = Path(__file__).parent / "tasks"
-LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall")
+# the two offline tasks at the two lengths of the family tasks (contexts of 256 and 1,024 tokens)
+LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall", "kvbridge_family_cloze_1024",
+               "kvbridge_family_recall_1024")
+LOCAL_LENGTHS = {"": 256, "_1024": 1024}
 # chance level per task family (prefix match): 4-way multiple choice, 2-way WinoGrande, free answers 0
 FLOORS = {"arc": 0.25, "hellaswag": 0.25, "mmlu": 0.25, "winogrande": 0.5, "gsm8k": 0.0,
           "kvbridge_family_cloze": 0.25, "kvbridge_family_recall": 0.0}
@@ -34,7 +37,7 @@ PROTOCOLS: dict[str, dict[str, int]] = {
 LOWER_IS_BETTER = ("perplexity", "bits_per_byte")
 RECALL_ANSWER_TOKENS = 3
 
-_CLOZE_YAML = """task: kvbridge_family_cloze
+_CLOZE_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -53,7 +56,7 @@ metadata:
   version: 1.0
 """
 
-_RECALL_YAML = """task: kvbridge_family_recall
+_RECALL_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -77,13 +80,18 @@ metadata:
 
 
 def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_DIR, items: int = 40,
-                      seq_len: int = 256, seed: int = 0) -> None:
-    """Write the two offline tasks' JSONL from held-out texts (run once; the files are shipped)."""
+                      seq_len: int = 256, seed: int = 0, suffix: str = "") -> None:
+    """Write the two offline tasks' JSONL from held-out texts (run once per length; the files are shipped).
+
+    ``python -c "from kvbridge import family; from kvbridge.harness import build_local_tasks as b; t =
+    family.load_family()[1].tokenizer; b(t, family.heldout_texts()); b(t, family.heldout_texts(), seq_len=1024,
+    suffix='_1024')"``
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = heldout_rows(tokenizer, texts, items, seq_len)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    with open(out_dir / "kvbridge_family_cloze.jsonl", "w", encoding="utf-8") as handle:
+    with open(out_dir / f"kvbridge_family_cloze{suffix}.jsonl", "w", encoding="utf-8") as handle:
         for i, (context, choices) in enumerate(cloze_items(rows, seq_len - CHOICE_TOKENS)):
             order = list(range(4))
             random.Random(seed + i).shuffle(order)
@@ -97,7 +105,7 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
                  w, add_special_tokens=False) == [i]]
     # the repeat's first 8 tokens are given; the model continues the span
     contexts, _, continuations = recall_items(rows, words[:512], seed, given=8)
-    with open(out_dir / "kvbridge_family_recall.jsonl", "w", encoding="utf-8") as handle:
+    with open(out_dir / f"kvbridge_family_recall{suffix}.jsonl", "w", encoding="utf-8") as handle:
         for context, continuation in zip(contexts, continuations):
             record = {"context": decode(context), "answer": decode(continuation[:RECALL_ANSWER_TOKENS])}
             handle.write(json.dumps(record) + "\n")
@@ -110,11 +118,13 @@ def local_task_dir(data_dir: str | Path = TASKS_DIR) -> Path:
         if not (data_dir / f"{name}.jsonl").is_file():
             raise InputError(f"the task data {data_dir / name}.jsonl is missing; reinstall kvbridge.")
     folder = Path(tempfile.mkdtemp(prefix="kvbridge-tasks-"))
-    (folder / "kvbridge_family_cloze.yaml").write_text(
-        _CLOZE_YAML.format(path=data_dir / "kvbridge_family_cloze.jsonl"), encoding="utf-8")
-    (folder / "kvbridge_family_recall.yaml").write_text(
-        _RECALL_YAML.format(path=data_dir / "kvbridge_family_recall.jsonl", max_tokens=RECALL_ANSWER_TOKENS),
-        encoding="utf-8")
+    for suffix in LOCAL_LENGTHS:
+        cloze, recall = f"kvbridge_family_cloze{suffix}", f"kvbridge_family_recall{suffix}"
+        (folder / f"{cloze}.yaml").write_text(_CLOZE_YAML.format(name=cloze, path=data_dir / f"{cloze}.jsonl"),
+                                              encoding="utf-8")
+        (folder / f"{recall}.yaml").write_text(
+            _RECALL_YAML.format(name=recall, path=data_dir / f"{recall}.jsonl", max_tokens=RECALL_ANSWER_TOKENS),
+            encoding="utf-8")
     return folder
 
 
