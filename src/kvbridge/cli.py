@@ -60,6 +60,9 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                    help=f"how many target layers get levers when --lever-layers is not given (default: {d.lever_count})")
     g.add_argument("--lever-stride", type=int, default=d.lever_stride,
                    help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
+    g.add_argument("--lever-top-k", type=int, default=d.lever_top_k,
+                   help="source layers feeding each lever layer, the best by single-layer R² (default: the "
+                        "layer's own selection)")
     g.add_argument("--mlp-hidden", type=int, default=d.mlp_hidden,
                    help=f"width of a residual MLP on lever layers, 0 for none (default: {d.mlp_hidden})")
     g.add_argument("--mlp-steps", type=int, default=d.mlp_steps, help=f"MLP training steps (default: {d.mlp_steps})")
@@ -80,7 +83,8 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
 def _lever_settings(args) -> dict:
     kinds = tuple(k.strip() for k in args.lever_kinds.split(",") if k.strip())
     return dict(lags=args.lags, lever_inputs=args.lever_inputs, lever_kinds=kinds, lever_layers=args.lever_layers,
-                lever_count=args.lever_count, lever_stride=args.lever_stride, mlp_hidden=args.mlp_hidden,
+                lever_count=args.lever_count, lever_stride=args.lever_stride, lever_top_k=args.lever_top_k,
+                mlp_hidden=args.mlp_hidden,
                 mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr, seed=args.seed,
                 recompute=args.recompute, sink=args.sink, hold_back=args.hold_back)
 

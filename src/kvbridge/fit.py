@@ -61,6 +61,7 @@ class FitConfig:
     lever_layers: tuple[int, ...] | None = None  # None: the lever_count layers with the lowest fit R²
     lever_count: int = 1
     lever_stride: int = 1  # observe every S-th token for the levers' statistics
+    lever_top_k: int | None = None  # source layers feeding a lever layer (best single-layer R²); None: its selection
     mlp_hidden: int = 0  # residual MLP width (0: linear levers only)
     mlp_steps: int = 1500
     mlp_batch: int = 1024
@@ -87,6 +88,8 @@ class FitConfig:
             raise InputError("--lever-inputs must be 'same' or 'kv'.")
         if not self.lever_kinds or any(k not in KINDS for k in self.lever_kinds):
             raise InputError("--lever-kinds must be key, value or key,value.")
+        if self.lever_top_k is not None and self.lever_top_k < 1:
+            raise InputError("--lever-top-k must be at least 1.")
         if self.lever_count < 0 or self.lever_stride < 1:
             raise InputError("--lever-count must be >= 0 and --lever-stride >= 1.")
         if self.lever_layers is not None and any(j < 0 for j in self.lever_layers):
@@ -305,6 +308,17 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     solve_seconds = time.perf_counter() - solve_start
     levers = plan_levers(config, report, target.info.num_layers)
     lever_report = {}
+    if levers and config.lever_top_k is not None:  # levers read fewer source layers: their own selection
+        selection = dict(selection)
+        for kind in {v.kind for v in levers}:
+            scores = single_layer_r2(getattr(stats, kind), source.info.kv_features, source.info.num_layers,
+                                     target.info.kv_features, target.info.num_layers, config.ridge)
+            best = select_layers(scores, config.lever_top_k)
+            chosen = list(selection[kind])
+            for v in levers:
+                if v.kind == kind:
+                    chosen[v.layer] = best[v.layer]
+            selection[kind] = tuple(chosen)
     if levers:
         from .levers import MLPBudget, fit_levers
 

@@ -97,22 +97,25 @@ class Rows:
     40 % because one previous token no longer says where to continue.
     """
 
-    def __init__(self, stream: torch.Tensor, frequent: list[int], seed: int, alphabet: int = 16):
+    def __init__(self, stream: torch.Tensor, frequent: list[int], seed: int, alphabet: int = 16, seq: int = SEQ,
+                 early: int = 64):
         self.stream, self.frequent, self.rng = stream, frequent, random.Random(seed)
         self.alphabet = min(alphabet, len(frequent))
+        self.seq = seq  # row length; the long-context stage changes it between batches
+        self.early = early  # a recurring span first appears within the row's first ``early`` tokens
 
     def random_span(self, k: int) -> list[int]:
         """k distinct tokens: a token that occurs once per span makes one-token induction unambiguous."""
         return [self.frequent[i] for i in self.rng.sample(range(self.alphabet), min(k, self.alphabet))]
 
     def window(self) -> list[int]:
-        start = self.rng.randrange(0, len(self.stream) - SEQ)
-        return [BOS] + self.stream[start : start + SEQ - 1].tolist()
+        start = self.rng.randrange(0, len(self.stream) - self.seq)
+        return [BOS] + self.stream[start : start + self.seq - 1].tolist()
 
     def repeat(self, row: list[int], span: list[int]) -> list[int]:
         k = len(span)
-        a = self.rng.randrange(1, 64)
-        b = self.rng.randrange(a + k + 8, SEQ - k)
+        a = self.rng.randrange(1, min(self.early, self.seq // 4))
+        b = self.rng.randrange(a + k + 8, self.seq - k)
         row[a : a + k] = span
         row[b : b + k] = span
         return row
@@ -121,14 +124,14 @@ class Rows:
         u = self.rng.random()
         if u < mix["pure"]:  # easiest copy task: one random sequence repeated over the whole row
             span = self.random_span(self.rng.randrange(8, 33))
-            return [BOS] + (span * (SEQ // len(span) + 1))[: SEQ - 1], True
+            return [BOS] + (span * (self.seq // len(span) + 1))[: self.seq - 1], True
         row = self.window()
         u -= mix["pure"]
         if u < mix["random"]:  # a random span recurs inside real text: only copying predicts it
             return self.repeat(row, self.random_span(self.rng.randrange(8, 33))), False
         if u < mix["random"] + mix["real"]:  # a real span recurs
             k = self.rng.randrange(8, 33)
-            s = self.rng.randrange(1, SEQ - k)
+            s = self.rng.randrange(1, self.seq - k)
             return self.repeat(row, row[s : s + k]), False
         return row, False
 
@@ -143,15 +146,15 @@ def frequent_tokens(stream: torch.Tensor, n: int = 1024) -> list[int]:
     return torch.argsort(counts, descending=True)[:n].tolist()
 
 
-def recall_rows(stream: torch.Tensor, frequent: list[int], n: int, span: int = 16, seed: int = 1234):
+def recall_rows(stream: torch.Tensor, frequent: list[int], n: int, span: int = 16, seed: int = 1234, seq: int = SEQ):
     """Held-out rows with a random span (frequent tokens) at [a, a+span) recurring at [b, b+span)."""
     rng = random.Random(seed)
     rows, spans = [], []
     for _ in range(n):
-        start = rng.randrange(0, len(stream) - SEQ)
-        row = [BOS] + stream[start : start + SEQ - 1].tolist()
+        start = rng.randrange(0, len(stream) - seq)
+        row = [BOS] + stream[start : start + seq - 1].tolist()
         s = [frequent[rng.randrange(len(frequent))] for _ in range(span)]
-        a, b = rng.randrange(8, 40), rng.randrange(SEQ - 64, SEQ - span)
+        a, b = rng.randrange(8, 40), rng.randrange(seq - 64, seq - span)
         row[a : a + span], row[b : b + span] = s, s
         rows.append(row)
         spans.append(b)
@@ -196,8 +199,11 @@ def ministral3(layers: int, hidden: int, intermediate: int, rope: dict):
 
 
 def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, probe, teacher=None, tag="",
-          log_every: int = 100, until_alphabet: int | None = None):
-    """AdamW with warmup and cosine decay; with ``teacher``, loss = KL(teacher ‖ model) + 0.5·CE."""
+          log_every: int = 100, until_alphabet: int | None = None, shapes=None):
+    """AdamW with warmup and cosine decay; with ``teacher``, loss = KL(teacher ‖ model) + 0.5·CE.
+
+    ``shapes(step)``, when given, returns ``(row length, batch)`` for that step (a length curriculum).
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 40)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
@@ -206,11 +212,14 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
     start, ema, copy_acc, since = time.time(), None, None, 0
     for step in range(steps):
         mix = curriculum(step / steps)
+        if shapes is not None:
+            rows.seq, batch = shapes(step)
         ids, pure = rows.batch(batch, mix)
         out = model(input_ids=ids, labels=ids, use_cache=False)
         if pure.any():  # copy accuracy on the second half of pure-repeat rows drives the alphabet
             with torch.no_grad():
-                hit = (out.logits[pure, SEQ // 2 : -1].argmax(-1) == ids[pure, SEQ // 2 + 1 :]).float().mean().item()
+                half = ids.shape[1] // 2
+                hit = (out.logits[pure, half:-1].argmax(-1) == ids[pure, half + 1 :]).float().mean().item()
             copy_acc = hit if copy_acc is None else 0.9 * copy_acc + 0.1 * hit
             since += 1
             if (copy_acc > 0.8 or since >= GROW_AFTER) and rows.alphabet < len(rows.frequent):
@@ -237,7 +246,7 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
             rec = recall_accuracy(model, *probe)
             model.train()
             log(f"{tag} step {step}/{steps} loss {ema:.3f} recall {rec:.1%} copy {copy_acc or 0:.1%} "
-                f"alphabet {rows.alphabet} pure {mix['pure']:.2f} ({time.time() - start:.0f} s)")
+                f"alphabet {rows.alphabet} pure {mix['pure']:.2f} rows {batch}×{rows.seq} ({time.time() - start:.0f} s)")
     model.eval()
     return time.time() - start
 
