@@ -151,3 +151,18 @@ def test_fit_config_validates():
         FitConfig(seq_len=16, stride=32)
     with pytest.raises(InputError, match="ridge"):
         FitConfig(ridge=-1)
+
+
+def test_weighted_statistics_equal_repeated_observations():
+    """Integer weights give exactly the statistics of the rows repeated that many times (attention weighting)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(60, 5, generator=g, dtype=torch.float64) + 3
+    y = torch.randn(60, 2, generator=g, dtype=torch.float64)
+    w = torch.randint(1, 5, (60,), generator=g)
+    weighted, repeated = KVStats(5, 2), KVStats(5, 2)
+    weighted.update(x[:30], y[:30], w[:30].double())
+    weighted.update(x[30:], y[30:], w[30:].double())
+    repeated.update(x.repeat_interleave(w, 0), y.repeat_interleave(w, 0))
+    assert weighted.n == repeated.n
+    for name in ("mean_x", "mean_y", "gram", "cross", "ssq_y"):
+        assert torch.allclose(getattr(weighted, name), getattr(repeated, name), rtol=1e-10, atol=1e-9), name

@@ -63,6 +63,9 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lever-top-k", type=int, default=d.lever_top_k,
                    help="source layers feeding each lever layer, the best by single-layer R² (default: the "
                         "layer's own selection)")
+    g.add_argument("--lever-weighting", choices=["none", "attention"], default=d.lever_weighting,
+                   help="attention: weighted ridge for lever layers, each token weighted by the attention its "
+                        f"native key receives (default: {d.lever_weighting})")
     g.add_argument("--mlp-hidden", type=int, default=d.mlp_hidden,
                    help=f"width of a residual MLP on lever layers, 0 for none (default: {d.mlp_hidden})")
     g.add_argument("--mlp-steps", type=int, default=d.mlp_steps, help=f"MLP training steps (default: {d.mlp_steps})")
@@ -84,6 +87,7 @@ def _lever_settings(args) -> dict:
     kinds = tuple(k.strip() for k in args.lever_kinds.split(",") if k.strip())
     return dict(lags=args.lags, lever_inputs=args.lever_inputs, lever_kinds=kinds, lever_layers=args.lever_layers,
                 lever_count=args.lever_count, lever_stride=args.lever_stride, lever_top_k=args.lever_top_k,
+                lever_weighting=args.lever_weighting,
                 mlp_hidden=args.mlp_hidden,
                 mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr, seed=args.seed,
                 recompute=args.recompute, sink=args.sink, hold_back=args.hold_back)

@@ -62,6 +62,7 @@ class FitConfig:
     lever_count: int = 1
     lever_stride: int = 1  # observe every S-th token for the levers' statistics
     lever_top_k: int | None = None  # source layers feeding a lever layer (best single-layer R²); None: its selection
+    lever_weighting: str = "none"  # "attention": weighted ridge, tokens weighted by the attention they receive
     mlp_hidden: int = 0  # residual MLP width (0: linear levers only)
     mlp_steps: int = 1500
     mlp_batch: int = 1024
@@ -88,6 +89,8 @@ class FitConfig:
             raise InputError("--lever-inputs must be 'same' or 'kv'.")
         if not self.lever_kinds or any(k not in KINDS for k in self.lever_kinds):
             raise InputError("--lever-kinds must be key, value or key,value.")
+        if self.lever_weighting not in ("none", "attention"):
+            raise InputError("--lever-weighting must be 'none' or 'attention'.")
         if self.lever_top_k is not None and self.lever_top_k < 1:
             raise InputError("--lever-top-k must be at least 1.")
         if self.lever_count < 0 or self.lever_stride < 1:
@@ -324,7 +327,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
 
         budget = MLPBudget(steps=config.mlp_steps, batch=config.mlp_batch, lr=config.mlp_lr, seed=config.seed)
         lever_weights, lever_report = fit_levers(source, target, fit_seqs, selection, levers, config.ridge,
-                                                 config.lever_stride, config.batch_size, budget, progress)
+                                                 config.lever_stride, config.batch_size, budget, progress,
+                                                 config.lever_weighting)
         weights.update(lever_weights)
     fit_seconds = time.perf_counter() - start
     fit_info = {

@@ -41,26 +41,67 @@ class MLPBudget:
     seed: int = 0
 
 
+MAX_WEIGHT = 10.0  # attention weighting: no token counts more than this many average tokens
+
+
 @torch.no_grad()
-def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tensor, specs: dict, positions):
-    """(x, y) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
+def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tensor, positions) -> torch.Tensor:
+    """(B, T) attention mass each token's key receives in ``layer`` (summed over later queries, mean over
+    heads), divided by its mean over the row: 1 = an average token."""
+    from .diagnose import _queries
+    from .rope import apply_rope, rotary_factors
+
+    cos, sin = rotary_factors(model, positions)
+    q = _queries(model, hidden, layer, cos, sin, positions)  # (B, H, T, D), RoPE and query scaling applied
+    k = apply_rope(keys.float(), cos, sin).repeat_interleave(q.shape[1] // keys.shape[1], 1)  # (B, H, T, D)
+    t = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # (B, H, T, T)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    mass = scores.softmax(-1).sum(2).mean(1)  # (B, T): received by each key
+    return mass / mass.mean(-1, keepdim=True)
+
+
+@torch.no_grad()
+def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tensor, specs: dict, positions,
+                       weighted: bool = False):
+    """(x, y, weight or None) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
     mask = torch.ones_like(ids)
     sk, sv, _ = prefill_content(source.model, ids, mask)
-    tk, tv, _ = prefill_content(target.model, ids, mask)
+    hidden: dict[int, torch.Tensor] = {}
+    hooks = []
+    if weighted:
+        layers = target.model.get_decoder().layers
+        hooks = [layers[j].register_forward_pre_hook(
+            lambda m, a, kw, j=j: hidden.__setitem__(j, (a or (kw["hidden_states"],))[0]), with_kwargs=True)
+            for j in {layer for _, layer in specs}]
+    try:
+        tk, tv, pos = prefill_content(target.model, ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
     per_kind = {"key": layer_features(sk), "value": layer_features(sv)}  # (B, T, Ls, Fs)
     native = {"key": tk, "value": tv}
     out = {}
     for (kind, layer), spec in specs.items():
         x = build_features(per_kind, spec, torch.tensor(spec.sources), None, 0)  # (B, T, F_in)
         y = native[kind][layer].transpose(1, 2).flatten(2)  # (B, T, Ft)
-        out[(kind, layer)] = (x[:, positions].flatten(0, 1), y[:, positions].flatten(0, 1))
+        w = None
+        if weighted:
+            w = attention_received(target.model, hidden[layer], layer, tk[layer], pos).clamp_max(MAX_WEIGHT)
+            w = w[:, positions].flatten().cpu()
+        out[(kind, layer)] = (x[:, positions].flatten(0, 1), y[:, positions].flatten(0, 1), w)
     return out
 
 
 def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor, selection: dict,
                levers: tuple[Lever, ...], ridge: float, stride: int, batch_size: int, budget: MLPBudget,
-               progress: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    """Closed-form linear part of every lever, then its residual MLP; returns (weights, report)."""
+               progress: bool = True, weighting: str = "none") -> tuple[dict[str, torch.Tensor], dict]:
+    """Closed-form linear part of every lever, then its residual MLP; returns (weights, report).
+
+    ``weighting="attention"``: a weighted ridge, each observation weighted by the attention mass its
+    native key receives in that target layer (capped at ``MAX_WEIGHT`` average tokens), so the fit
+    spends its accuracy on the tokens the target actually reads.
+    """
     from tqdm.auto import tqdm
 
     from .fit import _cholesky_solve, _pooled_r2
@@ -73,8 +114,9 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     positions = torch.arange(0, sequences.shape[1], stride)
     with tqdm(total=sequences.shape[0], desc="lever statistics", unit="seq", disable=not progress) as bar:
         for batch in iter_batches(sequences, batch_size):
-            for key, (x, y) in lever_observations(source, target, batch, specs, positions).items():
-                stats[key].update(x, y)
+            observed = lever_observations(source, target, batch, specs, positions, weighting == "attention")
+            for key, (x, y, w) in observed.items():
+                stats[key].update(x, y, w)
                 if key in keep:
                     kept[key].append((x.float().cpu(), y.float().cpu()))
             bar.update(batch.shape[0])
@@ -86,7 +128,7 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
         bias = s.mean_y - s.mean_x @ w
         weights[f"{name}.weight"] = w.float().contiguous()
         weights[f"{name}.bias"] = bias.float().contiguous()
-        report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "observations": s.n,
+        report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "weighting": weighting,
                         "ridge_used": used, "r2_fit_linear": _pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
         if lever.hidden:
             x = torch.cat([a for a, _ in kept[key]])  # (N, F_in)

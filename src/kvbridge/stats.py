@@ -137,13 +137,20 @@ class KVStats:
         self.mean_y += dy * (n / total)
         self.n = total
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add observations x (N, Fx), y (N, Fy)."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add observations x (N, Fx), y (N, Fy), optionally weighted (N,): then ``n`` sums the weights."""
         x = x.to(self.gram.device, torch.float64)
         y = y.to(self.gram.device, torch.float64)
-        mx, my = x.mean(0), y.mean(0)
+        if weight is None:
+            mx, my = x.mean(0), y.mean(0)
+            xc, yc = x - mx, y - my
+            self._absorb(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, (yc * yc).sum(0))
+            return
+        w = weight.to(self.gram.device, torch.float64)[:, None]  # (N, 1)
+        total = float(w.sum())
+        mx, my = (w * x).sum(0) / total, (w * y).sum(0) / total
         xc, yc = x - mx, y - my
-        self._absorb(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, (yc * yc).sum(0))
+        self._absorb(total, mx, my, (w * xc).T @ xc, (w * xc).T @ yc, (w * yc * yc).sum(0))
 
     def merge(self, other: "KVStats") -> "KVStats":
         """A new statistics object equal to one pass over both data sets."""
