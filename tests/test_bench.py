@@ -84,7 +84,7 @@ def test_bench_refuses_bad_contexts(tiny_mapper, capsys):
 
 
 def test_real_geometry_matches_the_published_artifact():
-    """The shipped Ministral-3 text configs give the seed's parameter count and ≈3.7 GFLOP/token map."""
+    """The shipped Ministral-3 text configs give the published artifact's parameter count and ≈3.7 GFLOP/token map."""
     import json
 
     from transformers import Ministral3Config
@@ -105,5 +105,5 @@ def test_real_geometry_matches_the_published_artifact():
     per_token_map = map_flops(config, 1)
     assert per_token_map == 2 * 34 * 2 * 26 * 1024 * 1024
     assert per_token_map / 1e9 == pytest.approx(3.7, abs=0.01)
-    # the map is close to a quarter of the 8B's own per-token prefill work (DESIGN.md §3)
+    # the map is close to a quarter of the 8B's own per-token prefill work
     assert 0.2 < per_token_map / prefill_flops(large, 1, 0) < 0.3

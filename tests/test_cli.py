@@ -22,7 +22,7 @@ def test_fit_writes_a_verified_artifact_with_its_report(fitted, capsys):
     _, _, out = fitted
     meta = json.loads((out / "mapper.json").read_text())
     fit = meta["fit"]
-    assert meta["format_version"] == 1 and meta["source"]["num_layers"] == 2 and meta["target"]["num_layers"] == 3
+    assert meta["format_version"] == 2 and meta["source"]["num_layers"] == 2 and meta["target"]["num_layers"] == 3
     assert meta["source"]["rope"]["parameters"]["rope_theta"] == 10000.0
     assert meta["target"]["rope"]["parameters"]["rope_theta"] == 50000.0
     assert all(len(sel) == 1 for sel in meta["selection"]["key"])  # --top-k 1

@@ -89,10 +89,12 @@ def test_mapped_cloze_is_above_the_floor(bridge, rows):
 def test_demo_quick_runs_to_the_end(tmp_path, capsys):
     assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
-    assert "| **Mean**" in shown and "| Context tokens |" in shown and "--- mapped" in shown
+    assert "| **Mean floor-normalized retention**" in shown and "| Context tokens |" in shown and "--- mapped" in shown
     figures = json.loads((tmp_path / "demo.json").read_text())
-    assert {r["task"] for r in figures["retention"]} == {"perplexity", "cloze", "recall (random)", "recall (real)"}
-    assert len(figures["latency"]) == 2
+    for variant in ("plain", "recommended"):
+        assert {r["task"] for r in figures["retention"]["128"][variant]} == {"perplexity", "cloze", "recall (random)",
+                                                                           "recall (real)"}
+    assert len(figures["latency"]) == 2 and figures["latency"][0]["ttft_speedup"] > 0
     assert main(["verify", str(tmp_path / "mapper")]) == 0
 
 
@@ -107,3 +109,39 @@ def test_bench_on_the_family(bridge, tmp_path, capsys):
             assert d[key] > 0, key
         assert r.cold_ms < 3 * (r.source_prefill_ms + r.warm_map_ms) + 5
         assert r.cold_speedup_limit > 1  # the source is cheaper than the target: transfer can win
+
+
+@pytest.fixture(scope="module")
+def long_rows(pair):
+    return heldout_rows(pair[1].tokenizer, family.heldout_texts(), 16, 1024)
+
+
+def test_both_models_read_long_contexts_better_the_further_they_read(pair, long_rows):
+    """Trained with a length curriculum: no degradation past the 256 tokens of the first two stages."""
+    from kvbridge.evaluate import band_perplexity
+
+    for loaded in pair:
+        bands = band_perplexity(loaded.model, long_rows)
+        assert bands["768-1024"] <= bands["128-256"], (loaded.info.name_or_path, bands)
+        assert bands["512-768"] <= bands["128-256"], (loaded.info.name_or_path, bands)
+    recorded = family.report()
+    for name in ("target", "source"):
+        assert recorded[name]["band_ppl_1024"]["768-1024"] <= recorded[name]["band_ppl_1024"]["128-256"]
+
+
+def test_target_recalls_a_span_stated_900_tokens_earlier(pair, long_rows):
+    from kvbridge.evaluate import frequent_ids, recall_items
+    from kvbridge.transfer import score_plain
+
+    source, target = pair
+    alphabet = frequent_ids(long_rows, set(target.tokenizer.all_special_ids), 1024)
+    ctx, floor_ctx, cont = recall_items(long_rows, alphabet)
+    assert min(len(c) for c in ctx) > 900 + 16  # the repeat starts ≥ 900 tokens after the early span
+
+    def accuracy(model, contexts):
+        scores = [score_plain(model, c, k) for c, k in zip(contexts, cont)]
+        return sum(s.correct for s in scores) / sum(s.tokens for s in scores)
+
+    target_acc, source_acc = accuracy(target.model, ctx), accuracy(source.model, ctx)
+    floor = accuracy(target.model, floor_ctx)
+    assert target_acc > floor + 0.4 and target_acc > source_acc, (target_acc, source_acc, floor)

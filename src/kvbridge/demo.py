@@ -1,7 +1,9 @@
 """``kvbridge demo``: the whole job on the embedded family, with no network.
 
-Fit a mapper on the calibration split → save and verify the artifact → map held-out prompts and
-show native vs mapped continuations → retention table on the family tasks → latency table.
+Fit the recommended mapper (``kvbridge fit``'s defaults) and the plain linear map on the calibration
+split → save and verify the artifact → map held-out prompts and show native vs mapped continuations →
+retention on the family tasks at 256 and 1,024 tokens, plain and recommended side by side → latency
+table with time to first token.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from . import family
 from .artifact import check_artifact
 from .bench import bench_table, run_bench
 from .errors import KVBridgeError
-from .evaluate import family_tasks, retention_table
+from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
 from .mapper import Mapper
 from .transfer import Bridge
@@ -26,9 +28,9 @@ from .transfer import Bridge
 
 @dataclass(frozen=True)
 class DemoConfig:
-    fit: FitConfig
+    fit: FitConfig  # the recommended levers (kvbridge fit's defaults) at the demo's calibration size
     task_items: int
-    task_seq_len: int
+    task_lengths: tuple[int, ...]
     contexts: tuple[int, ...]
     warmup: int
     trials: int
@@ -36,14 +38,30 @@ class DemoConfig:
     new_tokens: int = 24
 
 
-FULL = DemoConfig(fit=FitConfig(num_texts=64, seq_len=256, stride=2, heldout_texts=4, batch_size=8),
-                  task_items=48, task_seq_len=256, contexts=(64, 256, 1024), warmup=2, trials=7)
-QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8),
-                   task_items=8, task_seq_len=128, contexts=(32, 64), warmup=1, trials=3, new_tokens=8)
+FULL = DemoConfig(fit=FitConfig(num_texts=120, seq_len=1024, stride=2, heldout_texts=4, batch_size=4),
+                  task_items=48, task_lengths=(256, 1024), contexts=(64, 256, 1024), warmup=2, trials=7)
+QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
+                                 mlp_batch=256),
+                   task_items=8, task_lengths=(128,), contexts=(32, 64), warmup=1, trials=3, new_tokens=8)
+PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0, sink=False, hold_back=1)
 
 
 def _say(message: str = "") -> None:
     print(message, flush=True)
+
+
+def _side_by_side(plain: list, recommended: list) -> str:
+    """One table: native, source, floor once; mapped and retention for the plain map and the recommended one."""
+    lines = ["| Task | Native | Source alone | Floor | Plain map | Retention | Recommended | Retention |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda r, v: f"{v:.2f}" if not r.higher_is_better else f"{100 * v:.1f}%"  # noqa: E731
+    for a, b in zip(plain, recommended):
+        lines.append(f"| {a.task} | {fmt(a, a.native)} | {fmt(a, a.source)} | {fmt(a, a.floor)} | {fmt(a, a.mapped)} | "
+                     f"{100 * a.floor_normalized_retention:.1f}% | {fmt(b, b.mapped)} | "
+                     f"{100 * b.floor_normalized_retention:.1f}% |")
+    lines.append(f"| **Mean floor-normalized retention** | | | | | **{100 * mean_retention(plain):.1f}%** | | "
+                 f"**{100 * mean_retention(recommended):.1f}%** |")
+    return "\n".join(lines)
 
 
 def run_demo(out: str | None = None, quick: bool = False, progress: bool = True) -> dict:
@@ -56,13 +74,17 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
     _say(f"embedded family: source {fam['source']['parameters']:,} params (2 layers), "
          f"target {fam['target']['parameters']:,} params (4 layers), trained on the CPython standard library")
 
-    # 1. fit on the calibration split
-    mapper = fit_mapper(source, target, family.calibration_texts(), cfg.fit, progress=progress)
+    # 1. fit the recommended mapper (kvbridge fit's defaults) and the plain linear map, on the calibration split
+    calibration = family.calibration_texts()
+    mapper = fit_mapper(source, target, calibration, cfg.fit, progress=progress)
+    plain = fit_mapper(source, target, calibration, replace(cfg.fit, **PLAIN), progress=progress)
     f = mapper.config.fit
-    _say(f"fit: {f['observations']:,} observations in {f['fit_seconds']:.1f} s "
-         f"({f['observations_per_second']:,.0f} obs/s); R² keys {f['key_r2_fit_mean']:.3f} "
-         f"(held-out {f.get('key_r2_heldout_mean', float('nan')):.3f}), values {f['value_r2_fit_mean']:.3f} "
-         f"(held-out {f.get('value_r2_heldout_mean', float('nan')):.3f})")
+    levers = ", ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
+                       + (f", MLP {v.hidden}" if v.hidden else "") for v in mapper.config.levers) or "none"
+    _say(f"fit: {f['observations']:,} observations in {f['fit_seconds']:.1f} s; levers: {levers}; runtime "
+         f"{mapper.config.runtime.to_dict()}; held-out R² keys {f.get('key_r2_heldout_mean', float('nan')):.3f} "
+         f"(plain {plain.config.fit.get('key_r2_heldout_mean', float('nan')):.3f}), values "
+         f"{f.get('value_r2_heldout_mean', float('nan')):.3f}")
 
     # 2. save, verify, reload exactly as a user would
     tmp = None if out else tempfile.TemporaryDirectory(prefix="kvbridge-demo-")
@@ -87,18 +109,24 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
         samples.append({"prompt_tail": prompt[-120:], "native": gens["native"].texts[i],
                         "mapped": gens["mapped"].texts[i], "agreeing_tokens": same, "tokens": len(a)})
         _say(f"\n=== held-out prompt {i} (…{prompt[-60:]!r})")
-        _say(f"--- native ({gens['native'].seconds * 1000:.0f} ms): {gens['native'].texts[i]!r}")
-        _say(f"--- mapped ({gens['mapped'].seconds * 1000:.0f} ms): {gens['mapped'].texts[i]!r}")
+        _say(f"--- native: {gens['native'].texts[i]!r}")
+        _say(f"--- mapped: {gens['mapped'].texts[i]!r}")
         _say(f"--- {same}/{len(a)} tokens agree")
 
-    # 4. retention on the family tasks
-    results = family_tasks(bridge, held, items=cfg.task_items, seq_len=cfg.task_seq_len)
-    _say(f"\nRetention on held-out text ({cfg.task_items} documents × {cfg.task_seq_len} tokens, CPU):\n")
-    _say(retention_table(results))
+    # 4. retention on the family tasks, plain map and recommended levers side by side, at each length
+    retention = {}
+    plain_bridge = Bridge(source, target, plain)
+    for length in cfg.task_lengths:
+        base = family_tasks(plain_bridge, held, items=cfg.task_items, seq_len=length)
+        ours = family_tasks(bridge, held, items=cfg.task_items, seq_len=length, reference=base)
+        retention[str(length)] = {"plain": [r.to_dict() for r in base], "recommended": [r.to_dict() for r in ours]}
+        _say(f"\nRetention on held-out text ({cfg.task_items} documents × {length} tokens, CPU):\n")
+        _say(_side_by_side(base, ours))
 
-    # 5. latency
+    # 5. latency, time to first token included
     rows = run_bench(bridge, list(cfg.contexts), cfg.warmup, cfg.trials, progress=progress)
-    _say(f"\nLatency (batch 1, float32, {torch.get_num_threads()} CPU threads, median of {cfg.trials}):\n")
+    _say(f"\nLatency of the recommended mapper (batch 1, float32, {torch.get_num_threads()} CPU threads, "
+         f"median of {cfg.trials}):\n")
     _say(bench_table(rows))
     figures = {
         "mode": "quick" if quick else "full",
@@ -106,8 +134,10 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
         "threads": torch.get_num_threads(),
         "family": fam,
         "fit": {k: v for k, v in f.items() if not k.endswith("single_layer_r2")},
+        "levers": [v.to_dict() for v in mapper.config.levers],
+        "runtime": mapper.config.runtime.to_dict(),
         "samples": samples,
-        "retention": [r.to_dict() for r in results],
+        "retention": retention,
         "latency": [r.to_dict() for r in rows],
         "seconds": round(time.perf_counter() - start, 1),
     }

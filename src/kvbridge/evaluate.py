@@ -1,6 +1,6 @@
 """Retention: what a mapped cache keeps of the target's quality, on tasks with known floors.
 
-Definitions (../shared/DESIGN.md §3), for a score where higher is better:
+Definitions (docs/retention.md in the repository), for a score where higher is better:
 
     raw retention              = mapped / native
     floor-normalized retention = (mapped − floor) / (native − floor)
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -51,6 +51,19 @@ class TaskResult:
     floor: float
     items: int
     higher_is_better: bool = True
+    # per-item values whose mean gives each mode's score (perplexity: mean NLL per token, exponentiated);
+    # mode → list, for a bootstrap over documents
+    per_item: dict | None = field(default=None, repr=False, compare=False)
+
+    def resampled(self, index: list[int]) -> "TaskResult":
+        """The same task on the items ``index`` (with repeats): one bootstrap replicate."""
+        def agg(values):
+            mean = sum(values[i] for i in index) / len(index)
+            return mean if self.higher_is_better else math.exp(mean)
+
+        p = self.per_item
+        return replace(self, **{m: agg(p[m]) for m in ("native", "mapped", "source", "floor") if m in p},
+                       items=len(index))
 
     @property
     def raw_retention(self) -> float:
@@ -66,8 +79,8 @@ class TaskResult:
         return (lf - lm) / (lf - ln) if lf != ln else float("nan")
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"raw_retention": self.raw_retention,
-                               "floor_normalized_retention": self.floor_normalized_retention}
+        data = {k: v for k, v in asdict(self).items() if k != "per_item"}
+        return data | {"raw_retention": self.raw_retention, "floor_normalized_retention": self.floor_normalized_retention}
 
 
 def retention(native: float, mapped: float, floor: float) -> tuple[float, float]:
@@ -126,25 +139,30 @@ def _modes(reference: TaskResult | None) -> tuple[str, ...]:
     return ("mapped",) if reference is not None else ("native", "mapped", "source")
 
 
-def _result(task: str, metric: str, values: dict, floor: float | None, n: int, reference: TaskResult | None,
+def _result(task: str, metric: str, items: dict, floor: float | list | None, n: int, reference: TaskResult | None,
             higher_is_better: bool = True) -> TaskResult:
+    """A TaskResult from per-item values (mode → list; mean, or exp(mean NLL) for perplexity)."""
+    agg = (lambda v: sum(v) / len(v)) if higher_is_better else (lambda v: math.exp(sum(v) / len(v)))  # noqa: E731
     if reference is not None:
-        return replace(reference, mapped=values["mapped"])
-    return TaskResult(task, metric, values["native"], values["mapped"], values["source"], floor, n, higher_is_better)
+        return replace(reference, mapped=agg(items["mapped"]), per_item=(reference.per_item or {}) | items)
+    if isinstance(floor, list):
+        items = items | {"floor": floor}
+        floor = agg(floor)
+    values = {m: agg(v) for m, v in items.items()}
+    return TaskResult(task, metric, values["native"], values["mapped"], values["source"], floor, n, higher_is_better,
+                      per_item=items)
 
 
 def task_perplexity(bridge: Bridge, rows: torch.Tensor, scored: int = 64, batch_size: int = 8,
                     reference: TaskResult | None = None) -> TaskResult:
     ctx = [r[:-scored].tolist() for r in rows]
     cont = [r[-scored:].tolist() for r in rows]
-    tokens = scored * len(rows)
-    ppl = {m: math.exp(-sum(s.logprob for s in _score(bridge, ctx, cont, m, batch_size)) / tokens)
-           for m in _modes(reference)}
+    nll = {m: [-s.logprob / scored for s in _score(bridge, ctx, cont, m, batch_size)] for m in _modes(reference)}
     floor = None
     if reference is None:
         bos = [bridge.tokenizer.bos_token_id]  # the no-context floor: the target after BOS alone
-        floor = math.exp(-sum(score_plain(bridge.target.model, bos, c).logprob for c in cont) / tokens)
-    return _result("perplexity", f"ppl of last {scored} of {rows.shape[1]} tokens", ppl, floor, len(rows), reference,
+        floor = [-score_plain(bridge.target.model, bos, c).logprob / scored for c in cont]
+    return _result("perplexity", f"ppl of last {scored} of {rows.shape[1]} tokens", nll, floor, len(rows), reference,
                    higher_is_better=False)
 
 
@@ -179,7 +197,7 @@ def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int
     acc = {}
     for mode in _modes(reference):
         scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
-        acc[mode] = sum(chose_truth(scores[4 * i : 4 * i + 4]) for i in range(n)) / n
+        acc[mode] = [float(chose_truth(scores[4 * i : 4 * i + 4])) for i in range(n)]
     return _result("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations after {context} tokens)", acc,
                    0.25, n, reference)
 
@@ -231,9 +249,8 @@ def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int | None = 
                                                                alphabet_size)
     ctx, floor_ctx, cont = recall_items(rows, alphabet)
 
-    def accuracy(contexts, mode):
-        scores = _score(bridge, contexts, cont, mode, batch_size)
-        return sum(s.correct for s in scores) / sum(s.tokens for s in scores)
+    def accuracy(contexts, mode):  # every item has SPAN − 1 tokens: the mean of item accuracies is the token accuracy
+        return [s.correct / s.tokens for s in _score(bridge, contexts, cont, mode, batch_size)]
 
     acc = {mode: accuracy(ctx, mode) for mode in _modes(reference)}
     what = "real-text span" if alphabet is None else f"random span of {len(alphabet)} frequent tokens"
@@ -264,6 +281,25 @@ def mean_retention(results: list[TaskResult]) -> float:
     """Mean floor-normalized retention over the tasks where native beats the floor (NaN if none)."""
     defined = [r.floor_normalized_retention for r in results if _defined(r)]
     return sum(defined) / len(defined) if defined else float("nan")
+
+
+def bootstrap_interval(runs: list[list[TaskResult]], replicates: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of :func:`mean_retention` over all tasks of ``runs`` when documents are resampled.
+
+    Each run is one :func:`family_tasks` call: its tasks share documents, so one resample of document
+    indices serves all of them; separate runs (other lengths) are resampled independently.
+    """
+    rng = random.Random(seed)
+    values = []
+    for _ in range(replicates):
+        drawn = []
+        for run in runs:
+            index = [rng.randrange(run[0].items) for _ in range(run[0].items)]
+            drawn += [r.resampled(index) for r in run]
+        values.append(mean_retention(drawn))
+    values = sorted(v for v in values if v == v)
+    return values[int((1 - level) / 2 * len(values))], values[min(len(values) - 1, int((1 + level) / 2 * len(values)))]
 
 
 def _defined(r: TaskResult) -> bool:

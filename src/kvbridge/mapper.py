@@ -15,7 +15,7 @@ target layer's features with neighbouring tokens (``lags``), with the other cach
 adds a residual MLP (``hidden``). Lagged features before a sequence's first token are zeros.
 
 Target layers that read the same features and have no MLP share one GEMM: their weights are
-concatenated along the output dimension once, when the mapper is built, so the seed's top_k =
+concatenated along the output dimension once, when the mapper is built, so the published artifact's top_k =
 all-layers mapper is a single ``addmm`` per K and V. Nothing in :meth:`Mapper.map` touches files,
 logs or syncs.
 """
