@@ -84,3 +84,50 @@ def test_recompute_picks_the_sources_most_surprising_tokens():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     assert choose_columns(scores, mask, 0.3, sink=False).tolist() == [[2, 4], [3, 5]]
     assert choose_columns(scores, mask, 0.0, sink=True).tolist() == [[2], [0]]  # the first real token
+
+
+def test_frontier_quick_writes_its_three_files(tmp_path, capsys):
+    assert main(["frontier", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "frontier.json").read_text())
+    names = [p["name"] for p in report["points"]]
+    assert report["recommended"] in names + [None] and set(report["pareto"]) <= set(names)
+    for p in report["points"]:
+        assert {"name", "levers", "tasks", "mean_floor_normalized_retention", "ttft_speedup", "context_tokens",
+                "validation_retention", "interval_95"} <= set(p)
+        assert {t["context_tokens"] for t in p["tasks"]} == set(report["lengths"])
+        assert {"task", "native", "mapped", "source", "floor", "floor_normalized_retention"} <= set(p["tasks"][0])
+        lo, hi = p["interval_95"]
+        assert lo <= hi
+    levered = next(p for p in report["points"] if p["levers"]["mapper"])
+    assert levered["levers"]["mapper"][0]["lags"] == [0, 1, 2]
+    assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Held-out mean" in (tmp_path / "frontier.md").read_text()
+
+
+def test_bigram_surprisal_ranks_unseen_pairs_high():
+    from kvbridge.recompute import bigram_surprisal, bigram_tables
+
+    tables = bigram_tables(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 4]]), vocab=6)
+    assert tables["recompute.bigram.keys"].dtype == torch.int64
+    s = bigram_surprisal(torch.tensor([[1, 2, 3, 5, 1]]), tables)
+    assert s[0, 0] == 0 and s[0, 1] < s[0, 2] < s[0, 3]  # 1→2 seen 3×, 2→3 seen 2×, 3→5 never
+
+
+def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path, monkeypatch):
+    import kvbridge.transfer as transfer
+
+    source, target = pair
+    mapper = fit_mapper(source, target, family.calibration_texts(),
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, recompute=0.1, recompute_by="bigram"),
+                        progress=False)
+    mapper.save_pretrained(tmp_path / "m")
+    loaded = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
+    keys = loaded.weights["recompute.bigram.keys"]
+    assert keys.dtype == torch.int64 and torch.equal(keys, mapper.weights["recompute.bigram.keys"])
+    bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")))
+    assert bridge.recompute == 0.1 and not bridge.needs_source_logits
+    seen = []
+    original = transfer.prefill
+    monkeypatch.setattr(transfer, "prefill", lambda *a, **k: seen.append(k.get("logits")) or original(*a, **k))
+    assert bridge.generate(["def f(x):\n    return x +"], max_new_tokens=3).token_ids
+    assert "all" not in seen

@@ -27,7 +27,7 @@ from . import __version__
 from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
-from .mapper import Lever, Mapper, MapperConfig, RuntimeOptions
+from .mapper import FIXED_DTYPE_TENSORS, INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions
 from .models import ModelInfo
 
 FORMAT = "kvbridge-mapper"
@@ -58,7 +58,7 @@ def config_to_json(config: MapperConfig) -> dict[str, Any]:
         "levers": [lever.to_dict() for lever in config.levers],
         "runtime": config.runtime.to_dict(),
         "num_parameters": config.num_parameters(),
-        "weights_dtype": "float32",
+        "weights_dtype": "float32",  # runtime tables: recompute.bigram.keys int64, counts float32
         "fit": config.fit,
     }
 
@@ -95,7 +95,8 @@ def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
         raise ArtifactError(f"{directory} exists and is not a folder; choose another --out.")
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in mapper.weights.items()}
+        tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
+                   for name, t in mapper.weights.items()}
         # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
         with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
@@ -192,7 +193,7 @@ def load_mapper(
     except (SafetensorError, OSError) as exc:
         raise ArtifactError(f"{directory / WEIGHTS_FILE} cannot be read ({exc}); the artifact is corrupted.") from None
     if dtype is not None:
-        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+        tensors = {name: t if name in FIXED_DTYPE_TENSORS else t.to(dtype) for name, t in tensors.items()}
     return Mapper(config, tensors)
 
 

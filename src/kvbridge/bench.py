@@ -25,6 +25,7 @@ reset between phases through ``/proc/self/clear_refs`` where Linux allows it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -98,6 +99,21 @@ def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
     """
     config = mapper.config if isinstance(mapper, Mapper) else mapper
     return 2.0 * tokens * sum(s[0] * s[1] for n, s in config.weight_shapes().items() if n.endswith(".weight"))
+
+
+def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
+    """FLOPs of the mapped path to the first token: source prefill of T − m tokens (with its logits when the
+    recompute criterion is the source's surprisal), the map, the target's recompute of the chosen tokens and
+    its forward over the m held-back tokens with the last token's logits."""
+    m = bridge.hold_back
+    prefix = tokens - m
+    src, tgt = bridge.source.model.config, bridge.target.model.config
+    flops = prefill_flops(src, prefix, prefix if bridge.needs_source_logits else 0) + map_flops(bridge.mapper, prefix)
+    if bridge.selects_tokens:
+        n = max(math.ceil(bridge.recompute * prefix), int(bridge.sink))
+        flops += prefill_flops(tgt, n, 0, past=prefix - n)  # n queries over the whole prefix, at most
+    flops += prefill_flops(tgt, m, 1, past=prefix)
+    return batch * flops
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -197,13 +213,10 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         peak_cold = _peak(device)
         t_ttft = time_ms(mapped_ttft, device, warmup, trials)
         t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials)
-        m = bridge.hold_back
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
         f_source = batch * prefill_flops(bridge.source.model.config, tokens, 0)
-        f_ttft = batch * (prefill_flops(bridge.source.model.config, tokens - m, 0)
-                          + prefill_flops(bridge.target.model.config, m, 1, past=tokens - m)) \
-            + map_flops(bridge.mapper, batch * (tokens - m))
+        f_ttft = mapped_ttft_flops(bridge, tokens, batch)
         rows.append(BenchRow(
             context_tokens=tokens,
             native_prefill_ms=t_native[0], source_prefill_ms=t_source[0], warm_map_ms=t_warm[0], cold_ms=t_cold[0],

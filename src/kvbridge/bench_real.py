@@ -56,17 +56,72 @@ def build(name: str, device, dtype, tiny: bool):
     return LoadedModel(model=model, tokenizer=_VocabOnly(config.vocab_size), info=info)
 
 
-def random_mapper(source, target, device, dtype):
-    from .mapper import Mapper, MapperConfig
+def published_config(source_info, target_info, levers: bool):
+    """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
+    without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
+    on the data; the cost does not)."""
+    from .fit import FitConfig
+    from .mapper import Lever, MapperConfig
 
-    all_layers = tuple(range(source.info.num_layers))
-    selection = {kind: (all_layers,) * target.info.num_layers for kind in ("key", "value")}
-    config = MapperConfig(source=source.info, target=target.info, selection=selection, fit={"kind": "random"})
-    scale = 1.0 / (len(all_layers) * source.info.kv_features) ** 0.5
+    all_layers = tuple(range(source_info.num_layers))
+    selection = {kind: [all_layers] * target_info.num_layers for kind in ("key", "value")}
+    chosen = ()
+    d = FitConfig()
+    if levers and d.has_levers:
+        last = target_info.num_layers - 1
+        inputs = ("key", "value") if d.lever_inputs == "kv" else ()
+        chosen = tuple(Lever(kind, last, d.lags, inputs, d.mlp_hidden) for kind in d.lever_kinds)
+        if d.lever_top_k is not None:  # the lever layer reads its best lever_top_k source layers (here: the last)
+            for kind in d.lever_kinds:
+                selection[kind][last] = tuple(range(max(0, source_info.num_layers - d.lever_top_k),
+                                                    source_info.num_layers))
+    selection = {kind: tuple(layers) for kind, layers in selection.items()}
+    return MapperConfig(source=source_info, target=target_info, selection=selection, fit={"kind": "random"},
+                        levers=chosen)
+
+
+def random_mapper(source, target, device, dtype, levers: bool = False):
+    from .mapper import Mapper
+
+    config = published_config(source.info, target.info, levers)
     weights = {}
-    for name, shape in config.weight_shapes().items():
+    for name, shape in config.weight_shapes().items():  # 2-D weights scaled to keep activations O(1)
+        scale = shape[0] ** -0.5 if len(shape) == 2 else 0.0
         weights[name] = torch.randn(shape, device=device, dtype=dtype) * scale
     return Mapper(config, weights)
+
+
+def plan_table() -> str:
+    """Parameters, size and FLOPs per token of the plain published geometry and of kvbridge fit's default levers.
+
+    From the shipped configs alone: no weights are built.
+    """
+    from transformers import Ministral3Config
+
+    from .bench import map_flops, prefill_flops
+    from .models import ModelInfo
+    from .rope import RopeSpec
+
+    infos, configs = {}, {}
+    for name in ("ministral3-3b-text", "ministral3-8b-text"):
+        data = json.loads((CONFIGS / f"{name}.json").read_text())
+        config = Ministral3Config(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
+        rope = RopeSpec("ministral3", config.rope_parameters["rope_type"], config.head_dim, dict(config.rope_parameters))
+        infos[name] = ModelInfo(name, None, "Ministral3ForCausalLM", config.num_hidden_layers, config.num_key_value_heads,
+                                config.head_dim, config.max_position_embeddings, rope, "plan")
+        configs[name] = config
+    source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
+    per_token_8b = prefill_flops(configs["ministral3-8b-text"], 1, 0)
+    lines = ["| Mapper at the Ministral-3 3B→8B geometry | Parameters | float32 | bfloat16 | Map GFLOP/token | "
+             "÷ 8B's own GFLOP/token |", "|---|---:|---:|---:|---:|---:|"]
+    for label, levers in (("plain (the published artifact's)", False), ("kvbridge fit's default levers", True)):
+        config = published_config(source, target, levers)
+        n, f = config.num_parameters(), map_flops(config, 1)
+        lines.append(f"| {label} | {n / 1e9:.3f} B | {4 * n / 1e9:.2f} GB | {2 * n / 1e9:.2f} GB | {f / 1e9:.3f} | "
+                     f"{f / per_token_8b:.3f} |")
+        if levers:
+            lines.append(f"| levers: {', '.join(str(v.to_dict()) for v in config.levers)} | | | | | |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -82,12 +137,19 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens mapped per GEMM (bounds transient memory)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models of the same structure (smoke test)")
+    parser.add_argument("--levers", action="store_true",
+                        help="time a mapper with kvbridge fit's default levers instead of the plain published one")
+    parser.add_argument("--plan", action="store_true",
+                        help="only print parameters, size and FLOPs per token of the plain and levered mappers")
     args = parser.parse_args(argv)
+    if args.plan:
+        print(plan_table())
+        return
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     source = build("ministral3-3b-text", args.device, dtype, args.tiny)
     target = build("ministral3-8b-text", args.device, dtype, args.tiny)
-    mapper = random_mapper(source, target, args.device, dtype)
+    mapper = random_mapper(source, target, args.device, dtype, levers=args.levers)
     bridge = Bridge(source, target, mapper, chunk_tokens=args.chunk_tokens)
     params = mapper.config.num_parameters()
     where = device_name(torch.device(args.device))

@@ -77,6 +77,10 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     r.add_argument("--recompute", type=float, default=d.recompute,
                    help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
                         f"source's surprisal (default: {d.recompute})")
+    r.add_argument("--recompute-by", choices=["surprisal", "bigram"], default=d.recompute_by,
+                   help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
+                        "projection) or a bigram table of the calibration text stored in the artifact (no FLOPs) "
+                        f"(default: {d.recompute_by})")
     r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
                    help="the target recomputes each prompt's first token (attention sink)")
     r.add_argument("--hold-back", type=int, default=d.hold_back,
@@ -90,7 +94,7 @@ def _lever_settings(args) -> dict:
                 lever_weighting=args.lever_weighting,
                 mlp_hidden=args.mlp_hidden,
                 mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr, seed=args.seed,
-                recompute=args.recompute, sink=args.sink, hold_back=args.hold_back)
+                recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
 
 
 def _parser() -> argparse.ArgumentParser:

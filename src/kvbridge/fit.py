@@ -71,6 +71,7 @@ class FitConfig:
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
     hold_back: int = 1
     recompute: float = 0.0
+    recompute_by: str = "surprisal"  # or "bigram": a table of calibration bigrams, no source logits
     sink: bool = False
 
     @property
@@ -101,10 +102,8 @@ class FitConfig:
             raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0.")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
-
-    @property
-    def runtime(self) -> RuntimeOptions:
-        return RuntimeOptions(hold_back=self.hold_back, recompute=float(self.recompute), sink=bool(self.sink))
+        if self.recompute_by not in ("surprisal", "bigram"):
+            raise InputError("--recompute-by must be 'surprisal' or 'bigram'.")
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
         if self.seq_len < 2:
@@ -354,8 +353,17 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         fit_info[f"{kind}_ridge_used"] = report[kind]["ridge_used"]
         if report[kind]["single_layer_r2"] is not None:
             fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
+    table = {}
+    if config.recompute_by == "bigram":
+        from .recompute import bigram_tables
+
+        vocab = int(target.model.config.vocab_size)
+        weights.update(bigram_tables(fit_seqs, vocab))
+        table = {"bigram_pairs": int(weights["recompute.bigram.keys"].numel()), "bigram_vocab": vocab}
+    runtime = RuntimeOptions(hold_back=config.hold_back, recompute=float(config.recompute), sink=bool(config.sink),
+                             recompute_by=config.recompute_by, **table)
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
-                                 levers=levers, runtime=config.runtime), weights)
+                                 levers=levers, runtime=runtime), weights)
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
         for kind in KINDS:

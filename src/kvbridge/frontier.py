@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import map_flops, prefill_flops, time_ms
+from .bench import map_flops, mapped_ttft_flops, prefill_flops, time_ms
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
 from .transfer import Bridge
@@ -108,15 +108,7 @@ def ttft(bridge: Bridge, tokens: int, warmup: int, trials: int) -> dict:
 
 def flop_limit(bridge: Bridge, tokens: int) -> float:
     """FLOPs of a native prefill ÷ FLOPs of the mapped path (source prefill, map, recompute, held-back tokens)."""
-    m = bridge.hold_back
-    prefix = tokens - m
-    src = bridge.source.model.config
-    mapped = prefill_flops(src, prefix, prefix if bridge.selects_tokens else 0) + map_flops(bridge.mapper, prefix)
-    if bridge.selects_tokens:
-        n = max(int(bridge.recompute * prefix + 0.999), int(bridge.sink))
-        mapped += prefill_flops(bridge.target.model.config, n, 0, past=prefix - n)
-    mapped += prefill_flops(bridge.target.model.config, m, 1, past=prefix)
-    return prefill_flops(bridge.target.model.config, tokens, 1) / mapped
+    return prefill_flops(bridge.target.model.config, tokens, 1) / mapped_ttft_flops(bridge, tokens)
 
 
 def pareto(points: list[dict]) -> list[str]:

@@ -33,6 +33,9 @@ from .models import ModelInfo, check_matches, check_same_tokenizer
 
 KINDS = ("key", "value")
 MAX_LAG = 64
+# runtime tables stored beside the weights: never cast to the weights' dtype (keys are exact integers)
+INTEGER_TENSORS = ("recompute.bigram.keys",)
+FIXED_DTYPE_TENSORS = ("recompute.bigram.keys", "recompute.bigram.counts", "recompute.unigram.counts")
 
 
 @dataclass(frozen=True)
@@ -85,25 +88,41 @@ class RuntimeOptions:
     recompute: float = 0.0
     recompute_by: str = "surprisal"
     sink: bool = False
+    bigram_pairs: int = 0  # size of the bigram table the artifact carries for recompute_by="bigram" (0: none)
+    bigram_vocab: int = 0
 
     def __post_init__(self):
         if not isinstance(self.hold_back, int) or self.hold_back < 1:
             raise ArtifactError(f"runtime hold_back must be an integer >= 1, not {self.hold_back!r}.")
         if not isinstance(self.recompute, (int, float)) or not 0.0 <= self.recompute <= 1.0:
             raise ArtifactError(f"runtime recompute must be a fraction in [0, 1], not {self.recompute!r}.")
-        if self.recompute_by not in ("surprisal",):
-            raise ArtifactError(f"runtime recompute_by must be 'surprisal', not {self.recompute_by!r}.")
+        if self.recompute_by not in ("surprisal", "bigram"):
+            raise ArtifactError(f"runtime recompute_by must be 'surprisal' or 'bigram', not {self.recompute_by!r}.")
+        for name in ("bigram_pairs", "bigram_vocab"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ArtifactError(f"runtime {name} must be an integer >= 0, not {getattr(self, name)!r}.")
+        if self.recompute_by == "bigram" and not (self.bigram_pairs and self.bigram_vocab):
+            raise ArtifactError("runtime recompute_by 'bigram' needs the bigram table (bigram_pairs, bigram_vocab > 0); "
+                                "refit with --recompute-by bigram.")
         if not isinstance(self.sink, bool):
             raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"hold_back": self.hold_back, "recompute": float(self.recompute), "recompute_by": self.recompute_by,
-                "sink": self.sink}
+                "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RuntimeOptions":
-        known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "sink") if k in data}
+        known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "sink", "bigram_pairs", "bigram_vocab")
+                 if k in data}
         return cls(**known)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The runtime tables the artifact carries beside the weights (integer keys, float32 counts)."""
+        if not self.bigram_pairs:
+            return {}
+        return {"recompute.bigram.keys": (self.bigram_pairs,), "recompute.bigram.counts": (self.bigram_pairs,),
+                "recompute.unigram.counts": (self.bigram_vocab,)}
 
 
 @dataclass(frozen=True)
@@ -180,7 +199,7 @@ class MapperConfig:
                     shapes[f"{kind}.{layer}.mlp.in.bias"] = (lever.hidden,)
                     shapes[f"{kind}.{layer}.mlp.out.weight"] = (lever.hidden, ft)
                     shapes[f"{kind}.{layer}.mlp.out.bias"] = (ft,)
-        return shapes
+        return shapes | self.runtime.tensor_shapes()
 
     def num_parameters(self) -> int:
         return sum(int(torch.Size(s).numel()) for s in self.weight_shapes().values())
@@ -250,8 +269,10 @@ class Mapper:
                 raise ArtifactError(
                     f"mapper tensor {name} has shape {tuple(weights[name].shape)}, mapper.json implies {shape}."
                 )
-            if not weights[name].is_floating_point():
-                raise ArtifactError(f"mapper tensor {name} has dtype {weights[name].dtype}, expected a float type.")
+            expected_int = name in INTEGER_TENSORS
+            if weights[name].is_floating_point() == expected_int:
+                raise ArtifactError(f"mapper tensor {name} has dtype {weights[name].dtype}, expected "
+                                    f"{'int64' if expected_int else 'a float type'}.")
         self.config = config
         self.weights = weights
         self._groups = {kind: self._build_groups(kind) for kind in KINDS}
@@ -285,15 +306,16 @@ class Mapper:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(iter(self.weights.values())).dtype
+        return self.weights["key.0.weight"].dtype
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.weights.values())).device
+        return self.weights["key.0.weight"].device
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Mapper":
         """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime)."""
-        moved = {name: t.to(device=device, dtype=dtype) for name, t in self.weights.items()}
+        moved = {name: t.to(device=device, dtype=dtype if name not in FIXED_DTYPE_TENSORS else None)
+                 for name, t in self.weights.items()}
         return Mapper(self.config, moved)
 
     @classmethod

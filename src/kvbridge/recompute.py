@@ -9,12 +9,17 @@ fresh K/V, layer by layer, then replace the mapped ones. The cost is that of a t
 ``n`` tokens (a fraction of a native prefill); with every token chosen the result is the native cache
 exactly.
 
-Which tokens: ``surprisal`` picks, per row, the tokens the *source* model found least predictable
-(−log p of the token under the source's next-token distribution) — spans that only the context can
-explain, such as names, numbers or a sequence to be recalled later, are where a mapped key that is
-slightly off costs most. The row's first token (the attention sink, no surprisal) is always kept
-when ``sink`` is set. The source's logits cost a vocabulary projection per prefix token, counted by
-``kvbridge bench``.
+Which tokens: the least predictable ones — spans that only the context can explain, such as names,
+numbers or a sequence to be recalled later, are where a mapped key that is slightly off costs most.
+
+* ``surprisal``: −log p of each token under the *source* model's next-token distribution. Exact, but
+  it costs the source a vocabulary projection per prefix token (a large share of a small model's
+  prefill).
+* ``bigram``: −log p of each token given the previous one under bigram counts of the calibration
+  tokens (Dirichlet-smoothed toward the unigram distribution, ``BIGRAM_PRIOR``), stored in the
+  artifact. A table lookup per token: no FLOPs.
+
+The row's first token (the attention sink) is always kept when ``sink`` is set.
 """
 
 from __future__ import annotations
@@ -25,7 +30,41 @@ import torch
 
 from .models import cache_kv, make_cache
 
-CRITERIA = ("surprisal",)
+CRITERIA = ("surprisal", "bigram")
+BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
+BIGRAM_TENSORS = ("recompute.bigram.keys", "recompute.bigram.counts", "recompute.unigram.counts")
+
+
+def bigram_tables(sequences: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+    """Bigram and unigram counts of token ids ``sequences`` (N, T), as artifact tensors.
+
+    ``recompute.bigram.keys`` (P,) int64: previous · vocab + token, sorted, one per seen pair;
+    ``recompute.bigram.counts`` (P,) float32; ``recompute.unigram.counts`` (vocab,) float32.
+    """
+    ids = sequences.to(torch.int64)
+    pairs = (ids[:, :-1] * vocab + ids[:, 1:]).flatten()
+    keys, counts = torch.unique(pairs, return_counts=True)  # sorted
+    unigram = torch.bincount(ids.flatten(), minlength=vocab)[:vocab]
+    return {"recompute.bigram.keys": keys, "recompute.bigram.counts": counts.float(),
+            "recompute.unigram.counts": unigram.float()}
+
+
+def bigram_surprisal(ids: torch.Tensor, tables: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(B, T) −log p(token t | token t − 1) under the smoothed bigram counts; column 0 gets 0."""
+    keys, counts = tables["recompute.bigram.keys"], tables["recompute.bigram.counts"]
+    unigram = tables["recompute.unigram.counts"]
+    vocab = unigram.numel()
+    ids = ids.to(keys.device).clamp(0, vocab - 1)
+    prev, tok = ids[:, :-1], ids[:, 1:]
+    query = prev * vocab + tok
+    at = torch.searchsorted(keys, query).clamp_max(keys.numel() - 1)
+    pair = torch.where(keys[at] == query, counts[at], torch.zeros((), dtype=counts.dtype, device=counts.device))
+    p_uni = (unigram[tok] + 1.0) / (unigram.sum() + vocab)  # add-one unigram, never zero
+    # the counts of `prev` as a context equal its unigram counts up to sequence ends: close enough for ranking
+    p = (pair + BIGRAM_PRIOR * p_uni) / (unigram[prev] + BIGRAM_PRIOR)
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    out[:, 1:] = -torch.log(p.float())
+    return out
 
 
 def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

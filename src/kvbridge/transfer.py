@@ -164,8 +164,12 @@ class Bridge:
     # -- caches ------------------------------------------------------------------------------
     @property
     def selects_tokens(self) -> bool:
-        """Whether the mapped cache needs the source's logits (selective recompute or a native sink)."""
+        """Whether the target recomputes chosen prefix tokens (selective recompute or a native sink)."""
         return self.recompute > 0 or self.sink
+
+    @property
+    def needs_source_logits(self) -> bool:
+        return self.selects_tokens and self.mapper.config.runtime.recompute_by == "surprisal"
 
     @torch.no_grad()
     def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
@@ -212,12 +216,17 @@ class Bridge:
         ``recompute``/``sink``, the target's recompute of the chosen tokens)."""
         if not self.selects_tokens:
             return self.map_cache(*self.source_prefill(ids, mask))
-        from .recompute import choose_columns, recompute_columns, surprisal
+        from .recompute import bigram_surprisal, choose_columns, recompute_columns, surprisal
 
         positions = positions_from_mask(mask)
-        source_cache, logits = prefill(self.source.model, ids, mask, positions, logits="all")
+        if self.needs_source_logits:
+            source_cache, logits = prefill(self.source.model, ids, mask, positions, logits="all")
+            scores = surprisal(logits, ids)
+        else:
+            source_cache = prefill(self.source.model, ids, mask, positions, logits="none")[0]
+            scores = bigram_surprisal(ids, self.mapper.weights)
         cache = self.map_cache(source_cache, positions)
-        columns = choose_columns(surprisal(logits, ids), mask, self.recompute, self.sink)
+        columns = choose_columns(scores, mask, self.recompute, self.sink)
         return recompute_columns(self.target.model, cache, ids, mask, positions, columns)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):

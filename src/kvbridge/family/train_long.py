@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..evaluate import band_perplexity, heldout_rows
+from ..evaluate import band_perplexity, frequent_ids, heldout_rows, recall_items
+from ..transfer import score_plain
 from ..hashing import sha256_bytes
 from .corpus import documents
 from .train import PAD, Rows, frequent_tokens, heldout_ppl, log, recall_accuracy, recall_rows, token_stream, train
@@ -55,7 +56,12 @@ def measure(model, tokenizer, held_texts, held_stream, frequent) -> dict:
                          for i in range(0, 64 * 256, 256)])
     ppl, bare = heldout_ppl(model, short)
     far, far_starts = recall_rows(held_stream, frequent, 32, seq=1024)
-    return {
+    task_recall = {}  # the family task's recall (random): distinct tokens of the held-out rows' frequent ones
+    for length, rows in ((256, heldout_rows(tokenizer, held_texts, 48, 256)), (1024, rows_1k)):
+        ctx, _, cont = recall_items(rows, frequent_ids(rows, set(tokenizer.all_special_ids), 1024))
+        scores = [score_plain(model, c, k) for c, k in zip(ctx, cont)]
+        task_recall[f"task_recall_random_{length}"] = round(sum(x.correct for x in scores) / sum(x.tokens for x in scores), 4)
+    return task_recall | {
         "heldout_ppl": round(ppl, 3), "heldout_ppl_no_context": round(bare, 3),
         "recall_accuracy": round(recall_accuracy(model, *recall_rows(held_stream, frequent, 32)), 4),
         "recall_accuracy_1024": round(recall_accuracy(model, far, far_starts), 4),
@@ -71,10 +77,14 @@ def main(argv=None) -> None:
     parser.add_argument("--from", dest="source_dir", default=str(Path(__file__).parent / "checkpoints"),
                         help="checkpoints of the previous stage (target/, source/, family.json)")
     parser.add_argument("--out", default=None, help="where to write (default: --from, replaced in place)")
-    parser.add_argument("--target-steps", type=int, default=900)
+    parser.add_argument("--target-steps", type=int, default=1000)
     parser.add_argument("--source-steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--source-lr", type=float, default=5e-4)
+    parser.add_argument("--alphabet", type=int, default=1024,
+                        help="random spans draw from this many of the training stream's most frequent tokens")
+    parser.add_argument("--random-share", type=float, default=LONG_MIX["random"],
+                        help="share of rows where a random span recurs later in real text")
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
@@ -91,7 +101,9 @@ def main(argv=None) -> None:
         raise SystemExit("the local standard library gives another training stream than the recorded one "
                          "(another Python version?); the stage would not continue the same corpus.")
     held_stream = token_stream(tokenizer, splits["heldout"])
-    frequent = frequent_tokens(train_stream)
+    frequent = frequent_tokens(train_stream)  # the probes' alphabet, the same in every stage
+    spans = frequent_tokens(train_stream, args.alphabet)  # what the training rows' random spans draw from
+    mix = dict(LONG_MIX, random=args.random_share)
     probe = recall_rows(held_stream, frequent, 16, seq=1024)
     target = Ministral3ForCausalLM.from_pretrained(src_dir / "target")
     source = Ministral3ForCausalLM.from_pretrained(src_dir / "source")
@@ -99,11 +111,11 @@ def main(argv=None) -> None:
               for name, m in (("target", target), ("source", source))}
     log(f"before: {json.dumps(before)}")
 
-    rows = Rows(train_stream, frequent, args.seed, alphabet=len(frequent), early=512)
-    target_seconds = train(target, rows, args.target_steps, args.lr, 4, lambda p: LONG_MIX, probe, tag="target",
+    rows = Rows(train_stream, spans, args.seed, alphabet=len(spans), early=512)
+    target_seconds = train(target, rows, args.target_steps, args.lr, 4, lambda p: mix, probe, tag="target",
                            log_every=args.log_every, shapes=shapes_for(args.target_steps))
-    rows = Rows(train_stream, frequent, args.seed + 1, alphabet=len(frequent), early=512)
-    source_seconds = train(source, rows, args.source_steps, args.source_lr, 4, lambda p: LONG_MIX, probe, teacher=target,
+    rows = Rows(train_stream, spans, args.seed + 1, alphabet=len(spans), early=512)
+    source_seconds = train(source, rows, args.source_steps, args.source_lr, 4, lambda p: mix, probe, teacher=target,
                            tag="source", log_every=args.log_every, shapes=shapes_for(args.source_steps))
 
     for name, model in (("target", target), ("source", source)):
@@ -117,7 +129,7 @@ def main(argv=None) -> None:
     report["long_context"] = {
         "command": "python -m kvbridge.family.train_long " + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed, "target_steps": args.target_steps, "source_steps": args.source_steps, "lr": args.lr,
-        "tokens_per_step": TOKENS_PER_STEP, "mix": LONG_MIX,
+        "tokens_per_step": TOKENS_PER_STEP, "mix": mix, "alphabet": args.alphabet,
         "row_lengths": "512 for the first 15% of steps, then 1024, then 1024 and 2048 in turn (from 55%)",
         "target_train_seconds": round(target_seconds), "source_train_seconds": round(source_seconds),
         "train_seconds": round(time.time() - t0), "threads": torch.get_num_threads(),
