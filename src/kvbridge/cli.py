@@ -77,10 +77,10 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     r.add_argument("--recompute", type=float, default=d.recompute,
                    help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
                         f"source's surprisal (default: {d.recompute})")
-    r.add_argument("--recompute-by", choices=["surprisal", "bigram"], default=d.recompute_by,
+    r.add_argument("--recompute-by", choices=["surprisal", "logit", "bigram"], default=d.recompute_by,
                    help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
-                        "projection) or a bigram table of the calibration text stored in the artifact (no FLOPs) "
-                        f"(default: {d.recompute_by})")
+                        "projection), minus the source's logit of each token (one dot product a token), or a bigram "
+                        f"table of the calibration text stored in the artifact (default: {d.recompute_by})")
     r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
                    help="the target recomputes each prompt's first token (attention sink)")
     r.add_argument("--hold-back", type=int, default=d.hold_back,
@@ -165,7 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
-    fr.add_argument("--quick", action="store_true", help="a reduced grid for smoke tests (seconds, not minutes)")
+    fr.add_argument("--grid", choices=["full", "extended", "quick"], default="full",
+                    help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
+                         "that did not make it, for the record (about 20 minutes); quick: a smoke test (default: full)")
+    fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--quiet", action="store_true", help="no progress bars")
 
     bench = sub.add_parser("bench", help="latency table: native prefill vs source prefill + map, with FLOP limits",
@@ -315,7 +318,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_frontier(args) -> int:
     from . import family
-    from .frontier import FULL, QUICK, frontier_table, run_frontier
+    from .frontier import GRIDS, frontier_table, run_frontier
     from .models import load_model
     from .stats import read_texts
 
@@ -329,8 +332,8 @@ def _cmd_frontier(args) -> int:
         source, target = family.load_family(device=args.device)
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    report = run_frontier(source, target, calibration, heldout, QUICK if args.quick else FULL, args.out,
-                          progress=not args.quiet)
+    report = run_frontier(source, target, calibration, heldout, GRIDS["quick" if args.quick else args.grid],
+                          args.out, progress=not args.quiet)
     print()
     print(frontier_table(report))
     print(f"\nwritten: {Path(args.out) / 'frontier.json'}, frontier.md, frontier.png ({report['seconds']:.0f} s)")

@@ -71,7 +71,7 @@ class FitConfig:
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
     hold_back: int = 1
     recompute: float = 0.0
-    recompute_by: str = "surprisal"  # or "bigram": a table of calibration bigrams, no source logits
+    recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     sink: bool = False
 
     @property
@@ -102,8 +102,8 @@ class FitConfig:
             raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0.")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
-        if self.recompute_by not in ("surprisal", "bigram"):
-            raise InputError("--recompute-by must be 'surprisal' or 'bigram'.")
+        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+            raise InputError("--recompute-by must be surprisal, logit or bigram.")
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
         if self.seq_len < 2:
@@ -353,15 +353,13 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         fit_info[f"{kind}_ridge_used"] = report[kind]["ridge_used"]
         if report[kind]["single_layer_r2"] is not None:
             fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
-    table = {}
-    if config.recompute_by == "bigram":
-        from .recompute import bigram_tables
+    from .recompute import bigram_tables
 
-        vocab = int(target.model.config.vocab_size)
-        weights.update(bigram_tables(fit_seqs, vocab))
-        table = {"bigram_pairs": int(weights["recompute.bigram.keys"].numel()), "bigram_vocab": vocab}
+    vocab = int(target.model.config.vocab_size)  # every artifact carries the bigram table (a few MB at most)
+    weights.update(bigram_tables(fit_seqs, vocab))
     runtime = RuntimeOptions(hold_back=config.hold_back, recompute=float(config.recompute), sink=bool(config.sink),
-                             recompute_by=config.recompute_by, **table)
+                             recompute_by=config.recompute_by, bigram_vocab=vocab,
+                             bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
                                  levers=levers, runtime=runtime), weights)
     if held_seqs.shape[0]:

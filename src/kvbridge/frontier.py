@@ -52,26 +52,48 @@ class FrontierConfig:
 
 
 LAGS = dict(lags=(0, 1, 2), lever_inputs="kv")
-FULL = FrontierConfig(
-    fit=FitConfig(num_texts=160, seq_len=1024, stride=2, heldout_texts=4, batch_size=4, mlp_steps=1500,
-                  mlp_batch=1024),
+MLP128 = dict(LAGS, mlp_hidden=128)
+MLP256 = dict(LAGS, mlp_hidden=256)
+# every point starts from the plain map: its levers are spelled out, whatever kvbridge fit's defaults are
+PLAIN = dict(lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1, lever_top_k=4,
+             lever_weighting="none", mlp_hidden=0, recompute=0.0, recompute_by="logit", sink=False, hold_back=1)
+FIT = FitConfig(num_texts=160, seq_len=1024, stride=2, heldout_texts=4, batch_size=4, mlp_steps=4000, mlp_batch=1024,
+                **PLAIN)
+FULL = FrontierConfig(  # about 10 minutes on 2 CPU cores
+    fit=FIT,
     points=(
         Point("plain"),
-        Point("recompute 10%", runtime=dict(recompute=0.1)),
         Point("lags", fit=LAGS),
-        Point("lags + MLP", fit=dict(LAGS, mlp_hidden=256)),
-        Point("lags + MLP + sink", fit=dict(LAGS, mlp_hidden=256), runtime=dict(sink=True)),
-        Point("lags + MLP + recompute 5%", fit=dict(LAGS, mlp_hidden=256), runtime=dict(recompute=0.05)),
-        Point("lags + MLP + recompute 10%", fit=dict(LAGS, mlp_hidden=256), runtime=dict(recompute=0.1)),
-        Point("lags + MLP + recompute 20%", fit=dict(LAGS, mlp_hidden=256), runtime=dict(recompute=0.2)),
+        Point("lags + MLP 128", fit=MLP128),
+        Point("lags + MLP 256", fit=MLP256),
+        Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit")),
+        Point("lags + MLP 128 + recompute 5%", fit=MLP128, runtime=dict(recompute=0.05, recompute_by="logit")),
+        Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=dict(recompute=0.1, recompute_by="logit")),
+    ),
+)
+EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the record (about 20 minutes)
+    fit=FIT,
+    points=FULL.points + (
+        Point("lags, attention-weighted ridge", fit=dict(LAGS, lever_weighting="attention")),
+        Point("lags + MLP 128 + native sink", fit=MLP128, runtime=dict(sink=True, recompute_by="logit")),
+        Point("lags + MLP 128 + recompute 10% by bigram", fit=MLP128,
+              runtime=dict(recompute=0.1, recompute_by="bigram")),
+        Point("lags + MLP 128 + recompute 10% by surprisal", fit=MLP128,
+              runtime=dict(recompute=0.1, recompute_by="surprisal")),
+        Point("lags + MLP 128 + recompute 20%", fit=MLP128, runtime=dict(recompute=0.2, recompute_by="logit")),
+        Point("lags + MLP 128 + hold-back 32", fit=MLP128, runtime=dict(hold_back=32)),
     ),
 )
 QUICK = FrontierConfig(
-    fit=FitConfig(num_texts=8, seq_len=256, stride=2, heldout_texts=2, batch_size=8, mlp_steps=20, mlp_batch=256),
+    fit=FitConfig(num_texts=8, seq_len=256, stride=2, heldout_texts=2, batch_size=8, mlp_steps=20, mlp_batch=256,
+                  **PLAIN),
     points=(Point("plain"), Point("lags + MLP", fit=dict(LAGS, mlp_hidden=16)),
-            Point("plain + recompute 10%", runtime=dict(recompute=0.1))),
+            Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit"))),
     lengths=(128, 256), items=8, validation_items=4, ttft_trials=3, ttft_warmup=1,
 )
+
+
+GRIDS = {"full": FULL, "extended": EXTENDED, "quick": QUICK}
 
 
 def split_validation(tokenizer, texts: list[str], items: int, length: int) -> tuple[list[str], list[str]]:

@@ -86,7 +86,7 @@ class RuntimeOptions:
 
     hold_back: int = 1
     recompute: float = 0.0
-    recompute_by: str = "surprisal"
+    recompute_by: str = "logit"
     sink: bool = False
     bigram_pairs: int = 0  # size of the bigram table the artifact carries for recompute_by="bigram" (0: none)
     bigram_vocab: int = 0
@@ -96,8 +96,8 @@ class RuntimeOptions:
             raise ArtifactError(f"runtime hold_back must be an integer >= 1, not {self.hold_back!r}.")
         if not isinstance(self.recompute, (int, float)) or not 0.0 <= self.recompute <= 1.0:
             raise ArtifactError(f"runtime recompute must be a fraction in [0, 1], not {self.recompute!r}.")
-        if self.recompute_by not in ("surprisal", "bigram"):
-            raise ArtifactError(f"runtime recompute_by must be 'surprisal' or 'bigram', not {self.recompute_by!r}.")
+        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+            raise ArtifactError(f"runtime recompute_by must be surprisal, logit or bigram, not {self.recompute_by!r}.")
         for name in ("bigram_pairs", "bigram_vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ArtifactError(f"runtime {name} must be an integer >= 0, not {getattr(self, name)!r}.")

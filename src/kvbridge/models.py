@@ -249,16 +249,18 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
             logits: str = "all"):
     """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``.
 
-    ``logits``: ``"all"`` positions, ``"last"`` (what a serving prefill computes) or ``"none"`` (decoder
-    only: a source prefill for transfer needs its cache, not its vocabulary projection).
+    ``logits``: ``"all"`` positions, ``"last"`` (what a serving prefill computes), ``"none"`` (decoder
+    only: a source prefill for transfer needs its cache, not its vocabulary projection) or ``"hidden"``
+    (decoder only, and its final hidden states (B, T, hidden) in place of the logits).
     """
     device = next(model.parameters()).device
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
     kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                   position_ids=position_ids.to(device), use_cache=True)
-    if logits == "none":
-        return model.get_decoder()(**kwargs).cache, None
+    if logits in ("none", "hidden"):
+        out = model.get_decoder()(**kwargs)
+        return out.cache, (out.last_hidden_state if logits == "hidden" else None)
     out = model(**kwargs, logits_to_keep=1 if logits == "last" else 0)
     return out.cache, out.logits
 

@@ -15,6 +15,9 @@ numbers or a sequence to be recalled later, are where a mapped key that is sligh
 * ``surprisal``: −log p of each token under the *source* model's next-token distribution. Exact, but
   it costs the source a vocabulary projection per prefix token (a large share of a small model's
   prefill).
+* ``logit``: minus the source's logit of each token — its surprisal without the vocabulary-wide
+  normalisation: one dot product of the source's last hidden state with the token's output embedding,
+  instead of a projection onto the whole vocabulary.
 * ``bigram``: −log p of each token given the previous one under bigram counts of the calibration
   tokens (Dirichlet-smoothed toward the unigram distribution, ``BIGRAM_PRIOR``), stored in the
   artifact. A table lookup per token: no FLOPs.
@@ -30,7 +33,7 @@ import torch
 
 from .models import cache_kv, make_cache
 
-CRITERIA = ("surprisal", "bigram")
+CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
 BIGRAM_TENSORS = ("recompute.bigram.keys", "recompute.bigram.counts", "recompute.unigram.counts")
 
@@ -72,6 +75,18 @@ def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T−1, V): column t predicts t + 1
     out = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)
     out[:, 1:] = -logprobs.gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+    return out
+
+
+def negative_logit(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) minus ``model``'s logit of token t from its final hidden state at t − 1 (column 0 gets 0)."""
+    head = model.get_output_embeddings()
+    rows = head.weight[ids[:, 1:].to(head.weight.device)]  # (B, T−1, hidden): output embedding of each next token
+    logit = (hidden[:, :-1].to(rows.dtype) * rows).sum(-1).float()
+    if getattr(head, "bias", None) is not None:
+        logit = logit + head.bias[ids[:, 1:].to(head.bias.device)].float()
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=logit.device)
+    out[:, 1:] = -logit
     return out
 
 

@@ -78,8 +78,8 @@ class Bridge:
 
     def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int | None = None,
                  allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
-                 sink: bool | None = None):
-        """``hold_back``, ``recompute`` and ``sink`` default to the mapper's recorded runtime options."""
+                 sink: bool | None = None, recompute_by: str | None = None):
+        """``hold_back``, ``recompute``, ``recompute_by`` and ``sink`` default to the mapper's runtime options."""
         if chunk_tokens < 1:
             raise InputError("chunk_tokens must be >= 1.")
         self.chunk_tokens = chunk_tokens
@@ -91,6 +91,12 @@ class Bridge:
         if not 0.0 <= self.recompute <= 1.0:
             raise InputError(f"recompute must be a fraction in [0, 1], not {recompute}.")
         self.sink = runtime.sink if sink is None else bool(sink)
+        self.recompute_by = runtime.recompute_by if recompute_by is None else recompute_by
+        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+            raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
+        if self.recompute_by == "bigram" and not runtime.bigram_pairs:
+            raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
+                             "recompute_by='surprisal', or refit it.")
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, hold_back
         self.tokenizer = target.tokenizer
@@ -101,14 +107,16 @@ class Bridge:
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         mapper_device: str | None = None, target_device: str | None = None,
                         hold_back: int | None = None, allow_revision_mismatch: bool = False,
-                        recompute: float | None = None, sink: bool | None = None) -> "Bridge":
+                        recompute: float | None = None, sink: bool | None = None,
+                        recompute_by: str | None = None) -> "Bridge":
         from .models import load_model, resolve_dtype
 
         torch_dtype = resolve_dtype(dtype, device)
         m = Mapper.from_pretrained(mapper, revision=mapper_revision, device=mapper_device or device, dtype=torch_dtype)
         s = load_model(source, source_revision, device, torch_dtype)
         t = load_model(target, target_revision, target_device or device, torch_dtype)
-        return cls(s, t, m, hold_back, allow_revision_mismatch, recompute=recompute, sink=sink)
+        return cls(s, t, m, hold_back, allow_revision_mismatch, recompute=recompute, sink=sink,
+                   recompute_by=recompute_by)
 
     # -- inputs ------------------------------------------------------------------------------
     def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +177,7 @@ class Bridge:
 
     @property
     def needs_source_logits(self) -> bool:
-        return self.selects_tokens and self.mapper.config.runtime.recompute_by == "surprisal"
+        return self.selects_tokens and self.recompute_by == "surprisal"
 
     @torch.no_grad()
     def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
@@ -216,12 +224,15 @@ class Bridge:
         ``recompute``/``sink``, the target's recompute of the chosen tokens)."""
         if not self.selects_tokens:
             return self.map_cache(*self.source_prefill(ids, mask))
-        from .recompute import bigram_surprisal, choose_columns, recompute_columns, surprisal
+        from .recompute import bigram_surprisal, choose_columns, negative_logit, recompute_columns, surprisal
 
         positions = positions_from_mask(mask)
-        if self.needs_source_logits:
+        if self.recompute_by == "surprisal":
             source_cache, logits = prefill(self.source.model, ids, mask, positions, logits="all")
             scores = surprisal(logits, ids)
+        elif self.recompute_by == "logit":
+            source_cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden")
+            scores = negative_logit(self.source.model, hidden, ids)
         else:
             source_cache = prefill(self.source.model, ids, mask, positions, logits="none")[0]
             scores = bigram_surprisal(ids, self.mapper.weights)
