@@ -131,3 +131,12 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
     monkeypatch.setattr(transfer, "prefill", lambda *a, **k: seen.append(k.get("logits")) or original(*a, **k))
     assert bridge.generate(["def f(x):\n    return x +"], max_new_tokens=3).token_ids
     assert "all" not in seen
+
+
+def test_fit_defaults_are_the_frontiers_recommended_point():
+    from dataclasses import replace
+
+    from kvbridge.frontier import FULL, RECOMMENDED
+
+    point = next(p for p in FULL.points if p.name == RECOMMENDED)
+    assert FitConfig() == replace(FULL.fit, **point.fit, **point.runtime)

@@ -115,9 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_pair(fit)
     fit.add_argument("--texts", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
     fit.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
-    fit.add_argument("--num-texts", type=int, default=64, help="calibration sequences (default: 64; the published Ministral-3 mapper used 500)")
-    fit.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence (default: 256; seed 1024)")
-    fit.add_argument("--stride", type=int, default=4, help="observe every S-th token (default: 4)")
+    fit.add_argument("--num-texts", type=int, default=160,
+                     help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
+    fit.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
+    fit.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
     fit.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
     fit.add_argument("--ridge", type=float, default=0.01,
                      help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")

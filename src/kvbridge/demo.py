@@ -38,7 +38,7 @@ class DemoConfig:
     new_tokens: int = 24
 
 
-FULL = DemoConfig(fit=FitConfig(num_texts=120, seq_len=1024, stride=2, heldout_texts=4, batch_size=4),
+FULL = DemoConfig(fit=FitConfig(),  # kvbridge fit's defaults: the frontier's recommended levers
                   task_items=48, task_lengths=(256, 1024), contexts=(64, 256, 1024), warmup=2, trials=7)
 QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
                                  mlp_batch=256),

@@ -47,24 +47,25 @@ _MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
 class FitConfig:
     """Settings of a fit; validated on construction."""
 
-    num_texts: int = 64
-    seq_len: int = 256
-    stride: int = 4
+    num_texts: int = 160
+    seq_len: int = 1024
+    stride: int = 2
     top_k: int | None = None  # None: every source layer
     ridge: float = 0.01
     batch_size: int = 4
     heldout_texts: int = 4
     # levers (see kvbridge.levers): extra capacity for a few target layers
-    lags: tuple[int, ...] = (0,)  # source tokens t − j feeding target token t
-    lever_inputs: str = "same"  # "same": keys from keys, values from values; "kv": both caches
+    # the defaults are the frontier's recommended point on the embedded family (kvbridge.frontier.RECOMMENDED)
+    lags: tuple[int, ...] = (0, 1, 2)  # source tokens t − j feeding target token t
+    lever_inputs: str = "kv"  # "same": keys from keys, values from values; "kv": both caches
     lever_kinds: tuple[str, ...] = ("key",)  # target caches that get levers
     lever_layers: tuple[int, ...] | None = None  # None: the lever_count layers with the lowest fit R²
     lever_count: int = 1
     lever_stride: int = 1  # observe every S-th token for the levers' statistics
-    lever_top_k: int | None = None  # source layers feeding a lever layer (best single-layer R²); None: its selection
+    lever_top_k: int | None = 4  # source layers feeding a lever layer (best single-layer R²); None: its selection
     lever_weighting: str = "none"  # "attention": weighted ridge, tokens weighted by the attention they receive
-    mlp_hidden: int = 0  # residual MLP width (0: linear levers only)
-    mlp_steps: int = 1500
+    mlp_hidden: int = 128  # residual MLP width (0: linear levers only)
+    mlp_steps: int = 4000
     mlp_batch: int = 1024
     mlp_lr: float = 1e-3
     seed: int = 0
