@@ -113,7 +113,7 @@ def test_bench_on_the_family(bridge, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def long_rows(pair):
-    return heldout_rows(pair[1].tokenizer, family.heldout_texts(), 16, 1024)
+    return heldout_rows(pair[1].tokenizer, family.heldout_texts(), 24, 1024)
 
 
 def test_both_models_read_long_contexts_better_the_further_they_read(pair, long_rows):
@@ -144,4 +144,5 @@ def test_target_recalls_a_span_stated_900_tokens_earlier(pair, long_rows):
 
     target_acc, source_acc = accuracy(target.model, ctx), accuracy(source.model, ctx)
     floor = accuracy(target.model, floor_ctx)
-    assert target_acc > floor + 0.4 and target_acc > source_acc, (target_acc, source_acc, floor)
+    # recorded on 48 documents: target 53 %, source 20 %, floor 0 %
+    assert target_acc > floor + 0.3 and target_acc > source_acc + 0.15, (target_acc, source_acc, floor)

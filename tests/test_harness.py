@@ -55,6 +55,17 @@ def test_local_tasks_run_in_every_mode(pair, fitted):
     assert set(cloze) >= {"native", "mapped", "source", "floor", "raw_retention"} and cloze["floor"] == 0.25
     assert cloze["native"] > 0.25  # the family reads its context
     assert ("kvbridge_family_recall", "exact_match") in rows
+    assert results["mapped"]["kvbridge"]["native_fallbacks"] == {}  # every context was long enough to map
+
+
+def test_offline_tasks_at_1024_tokens_run(pair, fitted):
+    from kvbridge.harness import metric_rows, run_lm_eval
+
+    source, target = pair
+    bridge = Bridge(source, target, Mapper.from_pretrained(fitted))
+    tasks = ["kvbridge_family_cloze_1024"]
+    rows = metric_rows(run_lm_eval(bridge, tasks, modes=("native", "mapped"), limit=4), tasks)
+    assert rows[0]["task"] == "kvbridge_family_cloze_1024" and rows[0]["floor"] == 0.25 and rows[0]["primary"]
 
 
 def test_identity_map_gives_identical_lm_eval_results(pair):

@@ -101,7 +101,7 @@ def test_rolling_loglikelihood_maps_its_context_and_counts_fallbacks(pair, monke
     requests = [Instance("loglikelihood_rolling", {}, (text,), 0, ("wikitext", 0, 1))]
     calls = []
     original = Mapper.map
-    monkeypatch.setattr(Mapper, "map", lambda self, k, v: calls.append(1) or original(self, k, v))
+    monkeypatch.setattr(Mapper, "map", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     totals = {}
     for mode in ("native", "mapped"):
         lm = KVBridgeLM.from_bridge(zero, mode=mode, rolling_chunk=128)
@@ -131,8 +131,12 @@ def test_rolling_windows_score_every_token_once_after_the_text_before_it(pair):
 
 
 def test_nan_mapper_is_refused_not_scored(pair):
+    from kvbridge.errors import ArtifactError
+
     source, target = pair
-    bridge = Bridge(source, target, _filled_mapper(source, target, float("nan")))
+    with pytest.raises(ArtifactError, match="NaN or Inf"):  # a NaN weight never makes a mapper
+        _filled_mapper(source, target, float("nan"))
+    bridge = Bridge(source, target, _filled_mapper(source, target, 1e37))  # finite weights, overflowing outputs
     with pytest.raises(NumericalError, match="NaN"):
         bridge.score(["def f(x):\n    return"], [" x"])
     with pytest.raises(NumericalError):

@@ -71,8 +71,12 @@ def test_bad_prompts_are_refused(identity_bridge):
         identity_bridge.generate(["   "])
     with pytest.raises(InputError, match="positions"):
         identity_bridge.generate(["word " * 600])
-    with pytest.raises(InputError, match="more than hold_back"):
-        Bridge(identity_bridge.source, identity_bridge.target, identity_bridge.mapper, hold_back=50).generate(["hi"])
+    with pytest.raises(InputError, match="at least 2"):
+        identity_bridge.pad([[5]])
+    # a hold-back longer than a prompt shrinks to what the prompt allows: the source still prefills one token
+    long_hold = Bridge(identity_bridge.source, identity_bridge.target, identity_bridge.mapper, hold_back=50)
+    assert long_hold.generate(["hi there"], max_new_tokens=3).token_ids == \
+        identity_bridge.generate(["hi there"], max_new_tokens=3).token_ids
 
 
 def test_wrong_pair_is_refused(source, target, tiny_pair):

@@ -85,14 +85,33 @@ def config_from_json(data: dict[str, Any]) -> MapperConfig:
         raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); re-download or refit the mapper.") from None
 
 
+def is_artifact_dir(directory: Path) -> bool:
+    """Whether ``directory`` holds a kvbridge mapper (its mapper.json says so), whatever state its files are in."""
+    try:
+        return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_writable_artifact_dir(directory: Path) -> None:
+    """Refuse to replace anything but an absent or empty folder or an earlier kvbridge artifact.
+
+    Saving replaces the whole folder: a results folder or a model folder given as ``--out`` would be lost.
+    """
+    if directory.exists() and not directory.is_dir():
+        raise ArtifactError(f"{directory} exists and is not a folder; choose another --out.")
+    if directory.is_dir() and any(directory.iterdir()) and not is_artifact_dir(directory):
+        raise ArtifactError(f"{directory} is a folder with other files, not a kvbridge artifact; writing the mapper "
+                            "would replace it. Choose a new or empty folder for --out.")
+
+
 def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
     """Write the artifact atomically; an existing folder at ``directory`` is replaced only on success."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    check_writable_artifact_dir(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    if directory.exists() and not directory.is_dir():
-        raise ArtifactError(f"{directory} exists and is not a folder; choose another --out.")
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
@@ -130,11 +149,15 @@ def read_checksums(directory: Path) -> dict[str, str]:
     path = directory / CHECKSUMS_FILE
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: the artifact is incomplete. Re-download or re-save it.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{path} is not text (a corrupted byte?); re-download or re-save the artifact.") from None
     sums = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            digest, _, name = line.partition("  ")
-            sums[name.strip().lstrip("*")] = digest.strip()
+    for line in text.splitlines():
+        if line.strip():  # "<digest>  <name>" (text mode) or "<digest> *<name>" (sha256sum -b)
+            digest, _, name = line.strip().partition(" ")
+            sums[name.strip().lstrip("*")] = digest.strip().lower()
     return sums
 
 
@@ -204,12 +227,19 @@ def check_weights(directory: str | Path, config: MapperConfig) -> list[str]:
     try:
         with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as handle:
             found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+            dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+            expected = config.weight_shapes()
+            problems = [f"missing tensor {n}" for n in sorted(set(expected) - set(found))]
+            problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(expected))]
+            problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in expected.items()
+                         if n in found and found[n] != s]
+            problems += [f"tensor {n} has dtype {dtypes[n]}, expected {'I64' if n in INTEGER_TENSORS else 'F32'}"
+                         for n in expected if n in dtypes and dtypes[n] != ("I64" if n in INTEGER_TENSORS else "F32")]
+            if not problems:  # one tensor at a time: memory stays at the largest tensor
+                problems += [f"tensor {n} holds NaN or Inf" for n in expected if n not in INTEGER_TENSORS
+                             and not bool(torch.isfinite(handle.get_tensor(n)).all())]
     except (SafetensorError, OSError) as exc:
         return [f"{WEIGHTS_FILE} cannot be read ({exc})"]
-    expected = config.weight_shapes()
-    problems = [f"missing tensor {n}" for n in sorted(set(expected) - set(found))]
-    problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(expected))]
-    problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in expected.items() if n in found and found[n] != s]
     return problems
 
 

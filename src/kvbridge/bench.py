@@ -105,7 +105,7 @@ def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
     """FLOPs of the mapped path to the first token: source prefill of T − m tokens (with its logits when the
     recompute criterion is the source's surprisal), the map, the target's recompute of the chosen tokens and
     its forward over the m held-back tokens with the last token's logits."""
-    m = bridge.hold_back
+    m = min(bridge.hold_back, tokens - 1)
     prefix = tokens - m
     src, tgt = bridge.source.model.config, bridge.target.model.config
     flops = prefill_flops(src, prefix, prefix if bridge.needs_source_logits else 0) + map_flops(bridge.mapper, prefix)

@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_fit(args) -> int:
-    from .artifact import check_artifact
+    from .artifact import check_artifact, check_writable_artifact_dir
     from .fit import FitConfig, fit_mapper
     from .models import load_model, resolve_dtype
     from .stats import read_texts
@@ -253,8 +253,7 @@ def _cmd_fit(args) -> int:
                        **_lever_settings(args))
     texts = read_texts(args.texts)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KVBridgeError(f"--out {out} exists and is not a folder.")
+    check_writable_artifact_dir(out)  # before minutes of fitting, not after
     dtype = resolve_dtype(args.dtype, args.device)
     _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {args.device})")
     source = load_model(args.source, args.source_revision, args.device, dtype)
@@ -463,10 +462,14 @@ def _cmd_lm_eval(args) -> int:
         from .harness import local_task_dir
     except ImportError:
         raise KVBridgeError('kvbridge lm-eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
+    import shutil
+
     argv = list(args.lm_eval_args)
     wants_run = argv and argv[0] not in ("ls", "validate", "-h", "--help")
+    folder = None
     if wants_run and not any(a.startswith("--include_path") for a in argv):
-        argv += ["--include_path", str(local_task_dir())]
+        folder = local_task_dir()
+        argv += ["--include_path", str(folder)]
     saved = sys.argv
     sys.argv = ["lm-eval"] + argv
     try:
@@ -475,6 +478,8 @@ def _cmd_lm_eval(args) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv = saved
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

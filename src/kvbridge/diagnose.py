@@ -88,8 +88,9 @@ def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> 
         for mode in ("native", "mapped"):
             model, cache = bridge.prefix_cache(mode, batch, mask)
             device = next(model.parameters()).device
-            out = model(input_ids=batch[:, -bridge.hold_back:].to(device), attention_mask=mask.to(device),
-                        position_ids=positions_from_mask(mask)[:, -bridge.hold_back:].to(device), cache=cache)
+            m = bridge.held_back(mask)
+            out = model(input_ids=batch[:, -m:].to(device), attention_mask=mask.to(device),
+                        position_ids=positions_from_mask(mask)[:, -m:].to(device), cache=cache)
             logits[mode] = torch.log_softmax(out.logits[:, -1].float(), -1)
         p, q = logits["native"], logits["mapped"]
         kls.append((p.exp() * (p - q)).sum(-1))

@@ -62,7 +62,8 @@ class FitConfig:
     lever_layers: tuple[int, ...] | None = None  # None: the lever_count layers with the lowest fit R²
     lever_count: int = 1
     lever_stride: int = 1  # observe every S-th token for the levers' statistics
-    lever_top_k: int | None = 4  # source layers feeding a lever layer (best single-layer R²); None: its selection
+    lever_top_k: int | None = 4  # source layers feeding a lever layer (best single-layer R², at most top_k); None: its
+    # own selection
     lever_weighting: str = "none"  # "attention": weighted ridge, tokens weighted by the attention they receive
     mlp_hidden: int = 128  # residual MLP width (0: linear levers only)
     mlp_steps: int = 4000
@@ -316,7 +317,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         for kind in {v.kind for v in levers}:
             scores = single_layer_r2(getattr(stats, kind), source.info.kv_features, source.info.num_layers,
                                      target.info.kv_features, target.info.num_layers, config.ridge)
-            best = select_layers(scores, config.lever_top_k)
+            best = select_layers(scores, min(config.lever_top_k, config.top_k or config.lever_top_k))
             chosen = list(selection[kind])
             for v in levers:
                 if v.kind == kind:

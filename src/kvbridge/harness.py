@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -155,16 +156,24 @@ def run_lm_eval(bridge, tasks: list[str], modes: tuple[str, ...] = ("native", "m
     Each mode's results also carry ``kvbridge``: task → requests and native fallbacks (see
     :mod:`kvbridge.lm_eval_model`).
     """
+    fewshot = fewshot or {task: None for task in tasks}
+    folder = local_task_dir(task_data)
+    try:
+        return _run_modes(bridge, tasks, modes, fewshot, limit, batch_size, folder, rolling_chunk)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_modes(bridge, tasks, modes, fewshot, limit, batch_size, folder, rolling_chunk) -> dict[str, dict]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .lm_eval_model import KVBridgeLM
 
-    fewshot = fewshot or {task: None for task in tasks}
     groups: dict[int | None, list[str]] = {}
     for task in tasks:
         groups.setdefault(fewshot.get(task), []).append(task)
-    manager = TaskManager(include_path=str(local_task_dir(task_data)))
+    manager = TaskManager(include_path=str(folder))
     out = {}
     for mode in modes:
         lm = KVBridgeLM.from_bridge(bridge, mode=mode, batch_size=batch_size, rolling_chunk=rolling_chunk)

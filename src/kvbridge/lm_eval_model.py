@@ -5,8 +5,8 @@
 * ``native``: the target alone;
 * ``source``: the source alone.
 
-Contexts no longer than ``hold_back`` tokens have nothing to transfer; ``mapped`` scores them
-natively (the target reads the whole context itself) and counts them: ``native_fallbacks`` (task →
+A one-token context has nothing to transfer; ``mapped`` scores it natively (the target reads the whole
+context itself) and counts it: ``native_fallbacks`` (task →
 requests scored natively in mapped mode) and ``request_counts`` (task → requests) end up in
 ``kvbridge eval``'s results.json and table. Over-long requests keep their last ``max_length``
 tokens, as lm-eval's Hugging Face backend does. Chat templates are off (completion mode, as the
@@ -142,7 +142,7 @@ class KVBridgeLM(TemplateLM):
         # long first: similar lengths share a batch, and the first batch shows the peak memory
         items.sort(key=lambda it: -(len(it[1]) + len(it[2])))
         results: list[tuple[float, bool] | None] = [None] * len(items)
-        hold = self.bridge.hold_back
+        hold = 1  # a context of one token has nothing to transfer (Bridge.held_back adapts to the rest)
         with tqdm(total=len(items), desc=f"kvbridge {self.mode} loglikelihood", disable=disable_tqdm) as bar:
             for start in range(0, len(items), self.batch_size):
                 chunk = items[start : start + self.batch_size]
@@ -160,7 +160,7 @@ class KVBridgeLM(TemplateLM):
 
     def _score(self, part, mode):
         contexts, continuations = [ctx for _, ctx, _ in part], [cont for _, _, cont in part]
-        if min(len(c) for c in contexts) > self.bridge.hold_back:
+        if min(len(c) for c in contexts) > 1:
             return self.bridge.score_ids(contexts, continuations, mode)
         # a context too short to hold back anything: score the whole sequence in one native pass
         model = self.bridge.source.model if mode == "source" else self.bridge.target.model
@@ -222,11 +222,11 @@ class KVBridgeLM(TemplateLM):
             until, max_new, kwargs = self.generation_kwargs(gen_kwargs)
             ids = self.tok_encode(context)[-(self.max_length - max_new):]
             mode = self.mode
-            if len(ids) <= bridge.hold_back and mode == "mapped":
+            if len(ids) < 2 and mode == "mapped":
                 mode = "native"  # nothing to transfer: the target reads the whole context itself
             self._count(getattr(req, "task_name", None), mode != self.mode)
-            if len(ids) <= bridge.hold_back:  # a cache needs at least one token before the held-back ones
-                ids = [self.prefix_token_id] * (bridge.hold_back + 1 - len(ids)) + ids
+            if len(ids) < 2:  # a cache needs at least one token before the held-back one
+                ids = [self.prefix_token_id] + ids
             input_ids, mask = bridge.pad([ids], max_new)
             new = bridge.generate_ids(input_ids, mask, mode, max_new, stop_strings=until or None,
                                       tokenizer=self.tokenizer, **kwargs)

@@ -79,7 +79,8 @@ class Lever:
 class RuntimeOptions:
     """How a mapper is meant to be used at runtime; a ``Bridge`` takes these unless told otherwise.
 
-    ``hold_back``: last prompt tokens the target reads itself; ``recompute``: fraction of the prefix
+    ``hold_back``: last prompt tokens the target reads itself (fewer for a batch whose shortest prompt
+    is not longer); ``recompute``: fraction of the prefix
     tokens the target recomputes over the mapped cache (:mod:`kvbridge.recompute`), chosen by
     ``recompute_by``; ``sink``: always recompute each row's first token.
     """
@@ -273,6 +274,10 @@ class Mapper:
             if weights[name].is_floating_point() == expected_int:
                 raise ArtifactError(f"mapper tensor {name} has dtype {weights[name].dtype}, expected "
                                     f"{'int64' if expected_int else 'a float type'}.")
+        bad = [name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise ArtifactError(f"mapper tensor {bad[0]} holds NaN or Inf ({len(bad)} tensor(s) in all); the mapper "
+                                "would produce garbage. Refit it, or re-download it.")
         self.config = config
         self.weights = weights
         self._groups = {kind: self._build_groups(kind) for kind in KINDS}

@@ -18,6 +18,7 @@ processes exactly (to float64 rounding). Memory is fixed by the geometry, not by
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,12 @@ def read_texts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise InputError(f"text file {str(path)!r} does not exist.")
     texts: list[str] = []
-    with open(path, encoding="utf-8") as handle:
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line} is not UTF-8 (byte {exc.start}); save the texts as UTF-8.") from None
+    with io.StringIO(raw, newline=None) as handle:  # universal newlines, as open() would
         if path.suffix == ".jsonl":
             for number, line in enumerate(handle, 1):
                 if not line.strip():

@@ -148,10 +148,10 @@ class Bridge:
         limit = self.max_positions
         self._check_ids(rows, "prompt")
         for i, row in enumerate(rows):
-            if len(row) <= self.hold_back:
+            if len(row) < 2:
                 raise InputError(
-                    f"prompt {i} has {len(row)} tokens; a transfer needs more than hold_back={self.hold_back} "
-                    "(the source prefills the rest). Give a longer prompt or a smaller hold-back."
+                    f"prompt {i} has {len(row)} token; a transfer needs at least 2 (the source prefills the first, "
+                    "the target reads the last). Give a longer prompt."
                 )
             if len(row) + max_new_tokens > limit:
                 raise InputError(
@@ -170,6 +170,11 @@ class Bridge:
         return ids, mask
 
     # -- caches ------------------------------------------------------------------------------
+    def held_back(self, mask: torch.Tensor) -> int:
+        """Prompt tokens the target reads itself for this batch: ``hold_back``, or fewer when the shortest
+        prompt is not longer (the source must prefill at least one token of every prompt)."""
+        return max(1, min(self.hold_back, int(mask.sum(-1).min()) - 1))
+
     @property
     def selects_tokens(self) -> bool:
         """Whether the target recomputes chosen prefix tokens (selective recompute or a native sink)."""
@@ -241,10 +246,10 @@ class Bridge:
         return recompute_columns(self.target.model, cache, ids, mask, positions, columns)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
-        """The model that continues and its cache over all but the last ``hold_back`` columns."""
+        """The model that continues and its cache over all but the last :meth:`held_back` columns."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
-        cut = ids.shape[1] - self.hold_back
+        cut = ids.shape[1] - self.held_back(mask)
         prefix_ids, prefix_mask = ids[:, :cut], mask[:, :cut]
         if mode == "mapped":
             return self.target.model, self.mapped_cache(prefix_ids, prefix_mask)
@@ -266,7 +271,7 @@ class Bridge:
             return cache, logits[:, -1]
         model, cache = self.prefix_cache(mode, ids, mask)
         device = next(model.parameters()).device
-        m = self.hold_back
+        m = self.held_back(mask)
         out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
                     position_ids=positions_from_mask(mask)[:, -m:].to(device), cache=cache, use_cache=True,
                     logits_to_keep=1)
@@ -324,7 +329,7 @@ class Bridge:
         longest = max(len(c) for c in continuations)
         ids, mask = self.pad(contexts)
         model, cache = self.prefix_cache(mode, ids, mask)
-        b, m = ids.shape[0], self.hold_back
+        b, m = ids.shape[0], self.held_back(mask)
         tail = torch.full((b, m + longest), int(ids[0, -1]), dtype=torch.long)
         tail_mask = torch.zeros((b, m + longest), dtype=torch.long)
         tail[:, :m], tail_mask[:, :m] = ids[:, -m:], 1
