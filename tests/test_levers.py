@@ -129,3 +129,15 @@ def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
     bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")), chunk_tokens=5)
     out = bridge.generate(["Return a new dictionary initialized from", "The logging module"], max_new_tokens=4)
     assert all(len(t) == 4 for t in out.token_ids)
+
+
+def test_mlp_levers_stay_float32_when_the_mapper_runs_in_bfloat16():
+    m = mapper((Lever("key", 1, lags=(0, 1), inputs=("key", "value"), hidden=5),))
+    low = m.to(dtype=torch.bfloat16)
+    assert low.weights["key.1.weight"].dtype == torch.bfloat16
+    assert all(low.weights[f"key.1.mlp.{n}"].dtype == torch.float32 for n in ("in.weight", "in.bias", "out.weight",
+                                                                               "out.bias"))
+    keys, values = cache()
+    exact, rounded = m.map(keys, values)[0][1], low.map(keys, values)[0][1]
+    assert rounded.dtype == torch.bfloat16
+    assert torch.allclose(rounded.float(), exact, rtol=0.05, atol=0.3)

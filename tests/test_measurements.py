@@ -232,12 +232,13 @@ def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     mapper = fit_mapper(source, target, read_texts(tiny_pair[2]), FitConfig(num_texts=8, seq_len=48, heldout_texts=0),
                         progress=False)
-    bridge = Bridge(source, target, mapper)
     continuations = [" and keyword arguments.", " is useful", " returns it"]
-    batched = bridge.score(PROMPTS, continuations)
-    for i in range(len(PROMPTS)):
-        alone = bridge.score([PROMPTS[i]], [continuations[i]])[0]
-        assert alone.logprob == pytest.approx(batched[i].logprob, abs=1e-4) and alone.correct == batched[i].correct
+    # hold-back 4 is below every prompt's length here; a longer one would shrink to the batch's shortest prompt
+    for bridge in (Bridge(source, target, mapper, hold_back=1), Bridge(source, target, mapper, hold_back=4)):
+        batched = bridge.score(PROMPTS, continuations)
+        for i in range(len(PROMPTS)):
+            alone = bridge.score([PROMPTS[i]], [continuations[i]])[0]
+            assert alone.logprob == pytest.approx(batched[i].logprob, abs=1e-4) and alone.correct == batched[i].correct
 
 
 def test_heldout_r2_reads_whole_documents_of_its_own(tiny_pair):
@@ -265,3 +266,11 @@ def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
     fit = json.loads((out / "mapper.json").read_text())["fit"]
     assert fit["calibration_sha256"] == sha256_texts(read_texts(texts))
     assert not math.isnan(fit["key_r2_fit_mean"])
+
+
+def test_fallback_counts_are_per_task_and_groups_sum_their_subtasks():
+    from kvbridge.harness import _task_count
+
+    counts = {"kvbridge_family_cloze": 3, "kvbridge_family_cloze_1024": 5, "mmlu_anatomy": 2, "mmlu_virology": 4}
+    assert _task_count(counts, "kvbridge_family_cloze") == 3
+    assert _task_count(counts, "mmlu") == 6 and _task_count(counts, "arc_challenge") == 0

@@ -27,7 +27,7 @@ from . import __version__
 from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
-from .mapper import FIXED_DTYPE_TENSORS, INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions
+from .mapper import INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions, keeps_dtype
 from .models import ModelInfo
 
 FORMAT = "kvbridge-mapper"
@@ -216,7 +216,7 @@ def load_mapper(
     except (SafetensorError, OSError) as exc:
         raise ArtifactError(f"{directory / WEIGHTS_FILE} cannot be read ({exc}); the artifact is corrupted.") from None
     if dtype is not None:
-        tensors = {name: t if name in FIXED_DTYPE_TENSORS else t.to(dtype) for name, t in tensors.items()}
+        tensors = {name: t if keeps_dtype(name) else t.to(dtype) for name, t in tensors.items()}
     return Mapper(config, tensors)
 
 

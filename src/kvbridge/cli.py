@@ -61,8 +61,8 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lever-stride", type=int, default=d.lever_stride,
                    help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
     g.add_argument("--lever-top-k", type=int, default=d.lever_top_k,
-                   help="source layers feeding each lever layer, the best by single-layer R² (default: the "
-                        "layer's own selection)")
+                   help=f"source layers feeding each lever layer, the best by single-layer R², at most --top-k "
+                        f"(default: {d.lever_top_k})")
     g.add_argument("--lever-weighting", choices=["none", "attention"], default=d.lever_weighting,
                    help="attention: weighted ridge for lever layers, each token weighted by the attention its "
                         f"native key receives (default: {d.lever_weighting})")
@@ -72,6 +72,9 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mlp-batch", type=int, default=d.mlp_batch,
                    help=f"observations per MLP step (default: {d.mlp_batch})")
     g.add_argument("--mlp-lr", type=float, default=d.mlp_lr, help=f"MLP learning rate (default: {d.mlp_lr})")
+    g.add_argument("--mlp-observations", type=int, default=d.mlp_observations,
+                   help="observations the MLP trains on, a seeded sample held in host memory in float32 (twice "
+                        f"while standardised): bounds the fit's RAM (default: {d.mlp_observations:,})")
     g.add_argument("--seed", type=int, default=d.seed, help=f"seed of the MLP training (default: {d.seed})")
     r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
     r.add_argument("--recompute", type=float, default=d.recompute,
@@ -93,7 +96,8 @@ def _lever_settings(args) -> dict:
                 lever_count=args.lever_count, lever_stride=args.lever_stride, lever_top_k=args.lever_top_k,
                 lever_weighting=args.lever_weighting,
                 mlp_hidden=args.mlp_hidden,
-                mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr, seed=args.seed,
+                mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr,
+                mlp_observations=args.mlp_observations, seed=args.seed,
                 recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
 
 
@@ -124,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
     fit.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     fit.add_argument("--heldout-texts", type=int, default=4,
-                     help="extra sequences after the calibration ones, for held-out R² (default: 4; 0 to skip)")
+                     help="sequences for the held-out R², cut from the last documents, which the fit then does not "
+                          "read (default: 4; 0 to skip)")
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_levers(fit)
 
@@ -324,8 +329,13 @@ def _cmd_frontier(args) -> int:
 
     if bool(args.source) != bool(args.target):
         raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
-    if args.source and not args.heldout:
-        raise KVBridgeError("--heldout is needed with your own pair: texts the models were not calibrated on.")
+    if args.source and not (args.heldout and args.texts):
+        raise KVBridgeError("with your own pair give --texts (calibration) and --heldout (texts the models were "
+                            "not calibrated on); the embedded family's texts would not fit another tokenizer.")
+    try:
+        import matplotlib  # noqa: F401  (frontier.png is written at the end: fail now, not after minutes)
+    except ImportError:
+        raise KVBridgeError('kvbridge frontier draws frontier.png with matplotlib: pip install "kvbridge[plot]"') from None
     if args.source:
         source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
     else:

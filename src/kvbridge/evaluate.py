@@ -1,6 +1,6 @@
 """Retention: what a mapped cache keeps of the target's quality, on tasks with known floors.
 
-Definitions (docs/retention.md in the repository), for a score where higher is better:
+Definitions (docs/measures.md in the repository), for a score where higher is better:
 
     raw retention              = mapped / native
     floor-normalized retention = (mapped − floor) / (native − floor)

@@ -69,9 +69,10 @@ class FitConfig:
     mlp_steps: int = 4000
     mlp_batch: int = 1024
     mlp_lr: float = 1e-3
+    mlp_observations: int = 262_144  # the MLP's training sample, kept in host memory (float32)
     seed: int = 0
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
-    hold_back: int = 1
+    hold_back: int = 64  # the last 64 prompt tokens are read by the target itself (recommended point)
     recompute: float = 0.0
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     sink: bool = False
@@ -100,8 +101,10 @@ class FitConfig:
             raise InputError("--lever-count must be >= 0 and --lever-stride >= 1.")
         if self.lever_layers is not None and any(j < 0 for j in self.lever_layers):
             raise InputError("--lever-layers must be target layer indices >= 0.")
-        if self.mlp_hidden < 0 or self.mlp_steps < 1 or self.mlp_batch < 1 or not self.mlp_lr > 0:
-            raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0.")
+        if self.mlp_hidden < 0 or self.mlp_steps < 1 or self.mlp_batch < 1 or not self.mlp_lr > 0 \
+                or self.mlp_observations < 20:
+            raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0, "
+                             "--mlp-observations >= 20.")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
         if self.recompute_by not in ("surprisal", "logit", "bigram"):
@@ -298,6 +301,9 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     from .models import check_same_tokenizer
 
     check_same_tokenizer(source.info, target.info)
+    if config.has_levers and config.lever_layers and max(config.lever_layers) >= target.info.num_layers:
+        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target.info.num_layers} layers "
+                         f"(0 to {target.info.num_layers - 1}).")
     device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -326,7 +332,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     if levers:
         from .levers import MLPBudget, fit_levers
 
-        budget = MLPBudget(steps=config.mlp_steps, batch=config.mlp_batch, lr=config.mlp_lr, seed=config.seed)
+        budget = MLPBudget(steps=config.mlp_steps, batch=config.mlp_batch, lr=config.mlp_lr, seed=config.seed,
+                           max_observations=config.mlp_observations)
         lever_weights, lever_report = fit_levers(source, target, fit_seqs, selection, levers, config.ridge,
                                                  config.lever_stride, config.batch_size, budget, progress,
                                                  config.lever_weighting)

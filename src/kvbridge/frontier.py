@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import map_flops, mapped_ttft_flops, prefill_flops, time_ms
+from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, time_ms
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
 from .transfer import Bridge
@@ -97,7 +97,7 @@ QUICK = FrontierConfig(
 
 
 GRIDS = {"full": FULL, "extended": EXTENDED, "quick": QUICK}
-RECOMMENDED = "lags + MLP 128"  # what `kvbridge frontier` recommended on the family: kvbridge fit's defaults
+RECOMMENDED = "lags + MLP 128 + hold-back 64"  # what `kvbridge frontier` recommended on the family: kvbridge fit's defaults
 
 
 def split_validation(tokenizer, texts: list[str], items: int, length: int) -> tuple[list[str], list[str]]:
@@ -215,7 +215,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     recommended = recommend(points)
     report = {"points": points, "recommended": recommended, "pareto": pareto(points), "min_ttft_speedup": MIN_SPEEDUP,
               "lengths": list(config.lengths), "items": config.items, "validation_items": config.validation_items,
-              "fit": _fit_dict(config.fit), "device": "cpu", "threads": torch.get_num_threads(),
+              "fit": _fit_dict(config.fit), "device": device_name(target.device), "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - start, 1)}
     (out / "frontier.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "frontier.md").write_text(frontier_table(report) + "\n", encoding="utf-8")
@@ -260,7 +260,7 @@ def frontier_table(report: dict) -> str:
                  f"calibrated on, 95 % bootstrap interval over documents. Recommended: among points with a TTFT "
                  f"speed-up ≥ {report['min_ttft_speedup']}×, the fastest within one point of the best validation "
                  f"retention. ◆ Pareto front on held-out "
-                 f"retention and speed-up. CPU, {report['threads']} threads, batch 1.")
+                 f"retention and speed-up. {report['device']}, batch 1.")
     return "\n".join(lines)
 
 

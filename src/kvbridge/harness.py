@@ -207,8 +207,10 @@ def primary_metric(task: str, metrics: list[str]) -> str | None:
 
 
 def _task_count(counts: dict[str, int], task: str) -> int:
-    """Requests of ``task`` or of its subtasks (a group such as mmlu reports mmlu_* subtasks)."""
-    return sum(n for name, n in counts.items() if name == task or name.startswith(task + "_"))
+    """Requests of ``task``, or, for a group such as mmlu that has none of its own, of its mmlu_* subtasks."""
+    if task in counts:
+        return counts[task]
+    return sum(n for name, n in counts.items() if name.startswith(task + "_"))
 
 
 def metric_rows(results: dict[str, dict], tasks: list[str]) -> list[dict]:

@@ -39,6 +39,7 @@ class MLPBudget:
     lr: float = 1e-3
     weight_decay: float = 1e-4
     seed: int = 0
+    max_observations: int = 262_144  # observations kept in host memory for training (a seeded sample beyond)
 
 
 MAX_WEIGHT = 10.0  # attention weighting: no token counts more than this many average tokens
@@ -83,7 +84,8 @@ def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tens
     native = {"key": tk, "value": tv}
     out = {}
     for (kind, layer), spec in specs.items():
-        x = build_features(per_kind, spec, torch.tensor(spec.sources), None, 0)  # (B, T, F_in)
+        sources = torch.tensor(spec.sources, device=per_kind["key"].device)
+        x = build_features(per_kind, spec, sources, None, 0)  # (B, T, F_in)
         y = native[kind][layer].transpose(1, 2).flatten(2)  # (B, T, Ft)
         w = None
         if weighted:
@@ -108,17 +110,22 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
 
     fs, ft = source.info.kv_features, target.info.kv_features
     specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags) for v in levers}
-    stats = {key: KVStats(spec.width(fs), ft) for key, spec in specs.items()}
+    device = target.device
+    stats = {key: KVStats(spec.width(fs), ft, device) for key, spec in specs.items()}
     keep = {(v.kind, v.layer) for v in levers if v.hidden}
     kept: dict[tuple, list] = {key: [] for key in keep}
     positions = torch.arange(0, sequences.shape[1], stride)
+    # the MLP's training rows live in host memory: a seeded sample when the fit observes more than the budget
+    share = min(1.0, budget.max_observations / max(1, sequences.shape[0] * len(positions)))
+    sampler = torch.Generator().manual_seed(budget.seed)
     with tqdm(total=sequences.shape[0], desc="lever statistics", unit="seq", disable=not progress) as bar:
         for batch in iter_batches(sequences, batch_size):
             observed = lever_observations(source, target, batch, specs, positions, weighting == "attention")
             for key, (x, y, w) in observed.items():
                 stats[key].update(x, y, w)
                 if key in keep:
-                    kept[key].append((x.float().cpu(), y.float().cpu()))
+                    rows = (torch.rand(x.shape[0], generator=sampler) < share).to(x.device) if share < 1 else slice(None)
+                    kept[key].append((x[rows].float().cpu(), y[rows].float().cpu()))
             bar.update(batch.shape[0])
     weights, report = {}, {}
     for lever in levers:
@@ -126,18 +133,20 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
         s = stats[key]
         w, used = _cholesky_solve(s.gram, s.cross, ridge)  # (F_in, Ft) float64
         bias = s.mean_y - s.mean_x @ w
-        weights[f"{name}.weight"] = w.float().contiguous()
-        weights[f"{name}.bias"] = bias.float().contiguous()
+        weights[f"{name}.weight"] = w.float().cpu().contiguous()
+        weights[f"{name}.bias"] = bias.float().cpu().contiguous()
         report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "weighting": weighting,
                         "ridge_used": used, "r2_fit_linear": _pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
         if lever.hidden:
             x = torch.cat([a for a, _ in kept[key]])  # (N, F_in)
-            y = torch.cat([b for _, b in kept.pop(key)])  # (N, Ft)
-            residual = y - torch.addmm(weights[f"{name}.bias"], x, weights[f"{name}.weight"])
+            residual = torch.cat([b for _, b in kept.pop(key)])  # (N, Ft): the native target features ...
+            residual -= torch.addmm(weights[f"{name}.bias"], x, weights[f"{name}.weight"])  # ... minus the linear map
+            observations = int(x.shape[0])
             mlp, r2 = train_residual_mlp(x, residual, lever.hidden, budget, progress, desc=f"MLP {name}")
+            del x, residual
             for part, tensor in zip(("in.weight", "in.bias", "out.weight", "out.bias"), mlp):
                 weights[f"{name}.mlp.{part}"] = tensor.contiguous()
-            report[name] |= {"mlp_observations": int(x.shape[0]), "mlp_budget": asdict(budget),
+            report[name] |= {"mlp_observations": observations, "mlp_budget": asdict(budget),
                              "r2_fit_residual_explained": r2}
     return weights, report
 
@@ -153,12 +162,17 @@ def train_residual_mlp(x: torch.Tensor, residual: torch.Tensor, hidden: int, bud
         raise FitError(f"a residual MLP needs more calibration observations than {n}; pass more texts.")
     g = torch.Generator().manual_seed(budget.seed)
     order = torch.randperm(n, generator=g)
-    val, train = order[: max(1, n // 20)], order[max(1, n // 20):]
-    mu, sigma = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
-    r_mu, r_sigma = residual[train].mean(0), residual[train].std(0).clamp_min(1e-6)
-    xs, rs = (x - mu) / sigma, (residual - r_mu) / r_sigma  # standardised copies
+    xs, rs = x[order], residual[order]  # shuffled copies, standardised in place below: the first 5 % validate
+    del x, residual
+    n_val = max(1, n // 20)
+    mu, sigma = xs[n_val:].mean(0), xs[n_val:].std(0)
+    sigma = sigma.clamp_min(1e-3 * float(sigma.median()) + 1e-12)  # a near-constant feature must not blow up W1
+    r_mu, r_sigma = rs[n_val:].mean(0), rs[n_val:].std(0).clamp_min(1e-6)
+    xs.sub_(mu).div_(sigma)
+    rs.sub_(r_mu).div_(r_sigma)
+    val, train = torch.arange(n_val), torch.arange(n_val, n)
     torch.manual_seed(budget.seed)
-    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, residual.shape[1]))
+    net = torch.nn.Sequential(torch.nn.Linear(xs.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, rs.shape[1]))
     torch.nn.init.zeros_(net[2].weight)  # start at the linear map: the MLP only adds what helps
     torch.nn.init.zeros_(net[2].bias)
     opt = torch.optim.AdamW(net.parameters(), lr=budget.lr, weight_decay=budget.weight_decay)

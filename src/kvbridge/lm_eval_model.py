@@ -57,6 +57,13 @@ def _device(device: str | None) -> str:
     return str(device)
 
 
+def _int(value: Any, name: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"model_args {name}={value!r} must be an integer.") from None
+
+
 def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
@@ -67,12 +74,12 @@ class KVBridgeLM(TemplateLM):
 
     def __init__(self, source: str | None = None, target: str | None = None, mapper: str | None = None,
                  mode: str = "mapped", device: str = "cpu", dtype: str = "auto", batch_size: int | str = 8,
-                 hold_back: int | str = 1, max_length: int | str | None = None, source_revision: str | None = None,
+                 hold_back: int | str | None = None, max_length: int | str | None = None, source_revision: str | None = None,
                  target_revision: str | None = None, mapper_revision: str | None = None,
                  allow_revision_mismatch: bool | str = False, rolling_chunk: int | str = 256,
                  bridge: Bridge | None = None, **_ignored):
         super().__init__()
-        self.rolling_chunk = int(rolling_chunk)
+        self.rolling_chunk = _int(rolling_chunk, "rolling_chunk")
         if self.rolling_chunk < 1:
             raise InputError("rolling_chunk must be at least 1 token.")
         if mode not in MODES:
@@ -82,12 +89,13 @@ class KVBridgeLM(TemplateLM):
                 raise InputError("model_args need source=…, target=… and mapper=… (folders or hub ids).")
             bridge = Bridge.from_pretrained(
                 source, target, mapper, source_revision=source_revision, target_revision=target_revision,
-                mapper_revision=mapper_revision, device=_device(device), dtype=dtype or "auto", hold_back=int(hold_back),
+                mapper_revision=mapper_revision, device=_device(device), dtype=dtype or "auto",
+                hold_back=None if hold_back in (None, "") else _int(hold_back, "hold_back"),
                 allow_revision_mismatch=_flag(allow_revision_mismatch))
         self.bridge, self.mode = bridge, mode
         self.tokenizer = bridge.tokenizer
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self.max_length = int(max_length) if max_length else bridge.max_positions
+        self.batch_size = _int(batch_size, "batch_size") if str(batch_size) != "auto" else 8
+        self.max_length = _int(max_length, "max_length") if max_length else bridge.max_positions
         if self.rolling_chunk >= self.max_length:
             raise InputError(f"rolling_chunk ({self.rolling_chunk}) must be below max_length ({self.max_length}).")
         self.request_counts: Counter[str] = Counter()  # task → requests answered

@@ -38,6 +38,12 @@ INTEGER_TENSORS = ("recompute.bigram.keys",)
 FIXED_DTYPE_TENSORS = ("recompute.bigram.keys", "recompute.bigram.counts", "recompute.unigram.counts")
 
 
+def keeps_dtype(name: str) -> bool:
+    """Tensors a dtype change leaves alone: the runtime tables, and residual MLPs, which stay float32 (their
+    folded standardisation cancels large terms that bfloat16 would round away)."""
+    return name in FIXED_DTYPE_TENSORS or ".mlp." in name
+
+
 @dataclass(frozen=True)
 class Lever:
     """Extra capacity for one target layer and kind: neighbouring tokens, the other cache, a residual MLP."""
@@ -319,7 +325,7 @@ class Mapper:
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Mapper":
         """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime)."""
-        moved = {name: t.to(device=device, dtype=dtype if name not in FIXED_DTYPE_TENSORS else None)
+        moved = {name: t.to(device=device, dtype=None if keeps_dtype(name) else dtype)
                  for name, t in self.weights.items()}
         return Mapper(self.config, moved)
 
@@ -394,9 +400,9 @@ class Mapper:
             x = build_features(per_kind, group.features, group.sources, positions, past)  # (B, T, F_in)
             x = x.reshape(batch * tokens, -1)
             y = torch.addmm(group.bias, x, group.weight)  # (B·T, n·Ft)
-            if group.mlp is not None:
+            if group.mlp is not None:  # residual MLP in its own dtype (float32), (B·T, Ft)
                 w1, b1, w2, b2 = group.mlp
-                y = y + torch.addmm(b2, F.gelu(torch.addmm(b1, x, w1)), w2)  # residual MLP, (B·T, Ft)
+                y = y + torch.addmm(b2, F.gelu(torch.addmm(b1, x.to(w1.dtype), w1)), w2).to(y.dtype)
             y = y.view(batch, tokens, len(group.targets), ht, dt)  # (B, T, n, Ht, Dt)
             for i, layer in enumerate(group.targets):
                 out[layer] = y[:, :, i].transpose(1, 2)  # (B, Ht, T, Dt)

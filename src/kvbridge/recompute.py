@@ -96,6 +96,7 @@ def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, si
     ``n`` is the same for every row (ceil of the fraction of the widest row); a shorter row fills its
     surplus with pad columns, which nothing attends to.
     """
+    mask = mask.to(scores.device)
     real = mask.sum(-1)  # (B,)
     n = min(max(int(math.ceil(fraction * int(real.max()))), int(sink)), mask.shape[1])
     ranked = scores.float().masked_fill(mask == 0, float("-inf"))
@@ -123,8 +124,10 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
     new = (q_real[:, None, :] & (q_pos[:, None, :] <= q_pos[:, :, None])) | torch.eye(n, dtype=torch.bool,
                                                                                        device=device)[None]
     allowed = torch.cat([old & q_real[:, :, None], new], dim=-1)[:, None]  # (B, 1, n, T + n)
-    work = make_cache(model, [k.clone() for k in keys], [v.clone() for v in values])
-    out = model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=allowed, position_ids=q_pos,
+    dtype = next(model.parameters()).dtype  # an additive mask: eager attention adds it, SDPA takes it as is
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    work = make_cache(model, keys, values)  # updating it concatenates: the mapped tensors stay as they are
+    out = model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
                               cache=work, use_cache=True)
     fresh_k, fresh_v = cache_kv(out.cache)
     index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim

@@ -172,7 +172,11 @@ class Bridge:
     # -- caches ------------------------------------------------------------------------------
     def held_back(self, mask: torch.Tensor) -> int:
         """Prompt tokens the target reads itself for this batch: ``hold_back``, or fewer when the shortest
-        prompt is not longer (the source must prefill at least one token of every prompt)."""
+        prompt is not longer (the source must prefill at least one token of every prompt).
+
+        The count is one per batch: a prompt shorter than ``hold_back`` + 1 lowers it for its batch-mates,
+        so their results then differ slightly from the same prompts run alone.
+        """
         return max(1, min(self.hold_back, int(mask.sum(-1).min()) - 1))
 
     @property
@@ -242,7 +246,8 @@ class Bridge:
             source_cache = prefill(self.source.model, ids, mask, positions, logits="none")[0]
             scores = bigram_surprisal(ids, self.mapper.weights)
         cache = self.map_cache(source_cache, positions)
-        columns = choose_columns(scores, mask, self.recompute, self.sink)
+        after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
+        columns = choose_columns(scores.masked_fill(after_pad, 0.0), mask, self.recompute, self.sink)
         return recompute_columns(self.target.model, cache, ids, mask, positions, columns)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):

@@ -254,7 +254,7 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
 def copy_curriculum(progress: float) -> dict[str, float]:
     """Row mix by training progress: pure repeats first (dense copy signal), then copying inside real text.
 
-    A 4-layer model trained on spans inserted into text alone did not learn to copy (README, "Designed to copy");
+    A 4-layer model trained on spans inserted into text alone did not learn to copy (README, the family's training stages);
     whole rows of a repeated random sequence over a small alphabet teach induction within a few
     hundred steps, and the alphabet then grows (see :class:`Rows`).
     """
