@@ -96,7 +96,7 @@ class Bridge:
             raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
         if self.recompute_by == "bigram" and not runtime.bigram_pairs:
             raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
-                             "recompute_by='surprisal', or refit it.")
+                             "recompute_by='logit' or 'surprisal', or refit it.")
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, hold_back
         self.tokenizer = target.tokenizer
