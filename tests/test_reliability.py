@@ -1,6 +1,5 @@
 """Bad input loses nothing and gets a clear error: folders that are not artifacts, corrupted files, bad text."""
 
-import json
 
 import pytest
 import torch

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -215,18 +215,12 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     recommended = recommend(points)
     report = {"points": points, "recommended": recommended, "pareto": pareto(points), "min_ttft_speedup": MIN_SPEEDUP,
               "lengths": list(config.lengths), "items": config.items, "validation_items": config.validation_items,
-              "fit": _fit_dict(config.fit), "device": device_name(target.device), "threads": torch.get_num_threads(),
+              "fit": asdict(config.fit), "device": device_name(target.device), "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - start, 1)}
     (out / "frontier.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "frontier.md").write_text(frontier_table(report) + "\n", encoding="utf-8")
     plot_frontier(report, out / "frontier.png")
     return report
-
-
-def _fit_dict(config: FitConfig) -> dict:
-    from dataclasses import asdict
-
-    return asdict(config)
 
 
 def _worse_than_source(t: dict) -> bool:
