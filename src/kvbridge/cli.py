@@ -42,6 +42,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_levers(p: argparse.ArgumentParser) -> None:
     from .fit import FitConfig
+    from .recompute import CRITERIA
 
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
@@ -80,7 +81,7 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     r.add_argument("--recompute", type=float, default=d.recompute,
                    help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
                         f"source's surprisal (default: {d.recompute})")
-    r.add_argument("--recompute-by", choices=["surprisal", "logit", "bigram"], default=d.recompute_by,
+    r.add_argument("--recompute-by", choices=CRITERIA, default=d.recompute_by,
                    help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
                         "projection), minus the source's logit of each token (one dot product a token), or a bigram "
                         f"table of the calibration text stored in the artifact (default: {d.recompute_by})")

@@ -84,14 +84,8 @@ def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> 
     for start in range(0, rows.shape[0], batch_size):
         batch = rows[start : start + batch_size]
         mask = torch.ones_like(batch)
-        logits = {}
-        for mode in ("native", "mapped"):
-            model, cache = bridge.prefix_cache(mode, batch, mask)
-            device = next(model.parameters()).device
-            m = bridge.held_back(mask)
-            out = model(input_ids=batch[:, -m:].to(device), attention_mask=mask.to(device),
-                        position_ids=positions_from_mask(mask)[:, -m:].to(device), cache=cache)
-            logits[mode] = torch.log_softmax(out.logits[:, -1].float(), -1)
+        logits = {mode: torch.log_softmax(bridge.first_token_logits(batch, mask, mode)[1].float(), -1)
+                  for mode in ("native", "mapped")}
         p, q = logits["native"], logits["mapped"]
         kls.append((p.exp() * (p - q)).sum(-1))
         agree.append((p.argmax(-1) == q.argmax(-1)).float())

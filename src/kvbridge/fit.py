@@ -29,6 +29,7 @@ import torch
 from .errors import FitError, InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
 from .models import LoadedModel, prefill_content
+from .recompute import CRITERIA
 from .stats import (
     CalibrationStats,
     KVStats,
@@ -107,7 +108,7 @@ class FitConfig:
                              "--mlp-observations >= 20.")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
-        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+        if self.recompute_by not in CRITERIA:
             raise InputError("--recompute-by must be surprisal, logit or bigram.")
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
@@ -269,10 +270,7 @@ def plan_levers(config: FitConfig, report: dict, target_layers: int) -> tuple[Le
     inputs = ("key", "value") if config.lever_inputs == "kv" else ()
     levers = []
     for kind in config.lever_kinds:
-        if config.lever_layers is not None:
-            bad = [j for j in config.lever_layers if j >= target_layers]
-            if bad:
-                raise InputError(f"--lever-layers {bad} do not exist: the target has {target_layers} layers.")
+        if config.lever_layers is not None:  # in range: fit_mapper checked before its first pass
             layers = config.lever_layers
         else:
             r2 = report[kind]["r2_fit"]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .errors import ArtifactError
 from .models import ModelInfo, check_matches, check_same_tokenizer
+from .recompute import CRITERIA
 
 KINDS = ("key", "value")
 MAX_LAG = 64
@@ -103,7 +104,7 @@ class RuntimeOptions:
             raise ArtifactError(f"runtime hold_back must be an integer >= 1, not {self.hold_back!r}.")
         if not isinstance(self.recompute, (int, float)) or not 0.0 <= self.recompute <= 1.0:
             raise ArtifactError(f"runtime recompute must be a fraction in [0, 1], not {self.recompute!r}.")
-        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+        if self.recompute_by not in CRITERIA:
             raise ArtifactError(f"runtime recompute_by must be surprisal, logit or bigram, not {self.recompute_by!r}.")
         for name in ("bigram_pairs", "bigram_vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:

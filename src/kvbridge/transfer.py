@@ -27,6 +27,7 @@ from .models import (
     positions_from_mask,
     prefill,
 )
+from .recompute import CRITERIA
 from .rope import apply_rope, remove_rope, rotary_factors
 
 Mode = Literal["mapped", "native", "source"]
@@ -92,7 +93,7 @@ class Bridge:
             raise InputError(f"recompute must be a fraction in [0, 1], not {recompute}.")
         self.sink = runtime.sink if sink is None else bool(sink)
         self.recompute_by = runtime.recompute_by if recompute_by is None else recompute_by
-        if self.recompute_by not in ("surprisal", "logit", "bigram"):
+        if self.recompute_by not in CRITERIA:
             raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
         if self.recompute_by == "bigram" and not runtime.bigram_pairs:
             raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
@@ -243,7 +244,7 @@ class Bridge:
             source_cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden")
             scores = negative_logit(self.source.model, hidden, ids)
         else:
-            source_cache = prefill(self.source.model, ids, mask, positions, logits="none")[0]
+            source_cache = self.source_prefill(ids, mask)[0]
             scores = bigram_surprisal(ids, self.mapper.weights)
         cache = self.map_cache(source_cache, positions)
         after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
