@@ -1,6 +1,8 @@
 """The embedded family: loads offline like a hub checkpoint, is a real instrument, and the demo runs."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,7 +97,30 @@ def test_demo_quick_runs_to_the_end(tmp_path, capsys):
         assert {r["task"] for r in figures["retention"]["128"][variant]} == {"perplexity", "cloze", "recall (random)",
                                                                            "recall (real)"}
     assert len(figures["latency"]) == 2 and figures["latency"][0]["ttft_speedup"] > 0
-    assert main(["verify", str(tmp_path / "mapper")]) == 0
+    artifact = tmp_path / "mapper"
+    assert main(["verify", str(artifact)]) == 0
+    # the demo's artifact leaves carded, as a release: six files, verify passes, example.py runs
+    assert sorted(p.name for p in artifact.iterdir()) == sorted(
+        ["mapper.safetensors", "mapper.json", "checksums.sha256", "fit_report.json", "README.md",
+         "artifact_manifest.json", "example.py"])
+    card = (artifact / "README.md").read_text()
+    manifest = json.loads((artifact / "artifact_manifest.json").read_text())
+    assert card.startswith("---\n") and "library_name: kvbridge" in card and "Not measured" not in card
+    for length, both in figures["retention"].items():  # the card's tables are demo.json's figures
+        for r in both["recommended"]:
+            assert f"| {100 * r['floor_normalized_retention']:.1f}% |" in card, (length, r["task"])
+        got = manifest["evaluation"]["family_tasks"]["lengths"][length]["rows"]
+        assert [r["mapped"] for r in got] == [r["mapped"] for r in both["recommended"]]
+    for row in figures["latency"]:
+        assert f"**{row['ttft_speedup']:.2f}×**" in card
+    assert manifest["latency"]["rows"] == figures["latency"]
+    hashes = {f["name"]: f["sha256"] for f in manifest["files"]}
+    from kvbridge.hashing import sha256_file
+
+    assert all(sha256_file(artifact / name) == digest for name, digest in hashes.items())
+    run = subprocess.run([sys.executable, str(artifact / "example.py")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "native:" in run.stdout and "mapped:" in run.stdout
 
 
 def test_bench_on_the_family(bridge, tmp_path, capsys):

@@ -6,17 +6,26 @@ A mapper folder holds::
                          weight (|S_l|·Fs, Ft) applied as ``x @ W + b`` on content features
     mapper.json          format version, model pair, geometry, RoPE, selection, fit settings & summary
     checksums.sha256     ``sha256sum``-compatible lines for the two files above
+    fit_report.json      (fits only) time, throughput and peak memory of the run that wrote it: outside
+                         the checksums on purpose, so two identical fits give identical checksums
 
-Writes go to a temporary sibling folder that replaces the destination only when complete, so a
-crash never leaves a half-written artifact. Loading verifies checksums (before a single tensor is
-parsed), the format version and every tensor's shape.
+Writes go to a temporary sibling folder that replaces the destination in one atomic step (Linux's
+rename-exchange; elsewhere two renames, repaired by the next save), under a lock on the parent
+folder, so a crash never leaves a half-written artifact and concurrent saves queue. Leftovers of an
+interrupted save are restored or removed by the next save and named by verify and load. Loading
+verifies checksums (before a single tensor is parsed), validates every field of mapper.json, and
+checks tensor names, shapes and dtypes from the file's header before reading a tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,14 +37,17 @@ from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
 from .mapper import INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions, keeps_dtype
-from .models import ModelInfo
+from .models import ModelInfo, check_device
+from .outputs import umask
 
 FORMAT = "kvbridge-mapper"
 FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs) and "runtime"; version-1 files read as plain maps
 WEIGHTS_FILE = "mapper.safetensors"
 CONFIG_FILE = "mapper.json"
 CHECKSUMS_FILE = "checksums.sha256"
+RUN_REPORT_FILE = "fit_report.json"  # volatile measurements of the fit: not part of the artifact's identity
 ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
+DOWNLOAD_FILES = [*ARTIFACT_FILES, RUN_REPORT_FILE]
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
     "KV heads concatenated head-major (feature h*head_dim + d); x = selected source layers concatenated in "
@@ -63,26 +75,107 @@ def config_to_json(config: MapperConfig) -> dict[str, Any]:
     }
 
 
-def config_from_json(data: dict[str, Any]) -> MapperConfig:
-    if data.get("format") != FORMAT:
-        raise ArtifactError(f"{CONFIG_FILE} is not a kvbridge mapper (format {data.get('format')!r}).")
-    version = data.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ArtifactError(
-            f"{CONFIG_FILE} has format version {version!r}; this kvbridge reads up to {FORMAT_VERSION}. "
-            "Upgrade kvbridge (`pip install -U kvbridge`)."
-        )
+def config_from_json(data: Any) -> MapperConfig:
+    """A validated :class:`MapperConfig`; any malformed field is one ArtifactError that names it."""
+    _validate(data)
+    version = data["format_version"]
     try:
         return MapperConfig(
             source=ModelInfo.from_dict(data["source"]),
             target=ModelInfo.from_dict(data["target"]),
-            selection={k: tuple(tuple(int(s) for s in layers) for layers in v) for k, v in data["selection"].items()},
+            selection={k: tuple(tuple(layers) for layers in data["selection"][k]) for k in ("key", "value")},
             fit=dict(data.get("fit", {})),
-            levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])),
-            runtime=RuntimeOptions.from_dict(data.get("runtime", {})),
+            levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])) if version >= 2 else (),
+            runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # _validate should have named it: a last line of defence
         raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); re-download or refit the mapper.") from None
+
+
+# -- mapper.json validation: every field's type and range, checked before any object is built --------
+def _bad(field: str, what: str, value: Any = None, missing: bool = False) -> ArtifactError:
+    shown = "missing" if missing else f"{_short(value)} ({type(value).__name__})"
+    return ArtifactError(f"{CONFIG_FILE}: field {field!r} must be {what}, but is {shown}. The file is malformed or "
+                         "was edited; re-download or refit the mapper.")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _get(obj: dict, key: str, where: str, check, what: str, required: bool = True) -> Any:
+    field = f"{where}.{key}" if where else key
+    if key not in obj:
+        if required:
+            raise _bad(field, what, missing=True)
+        return None
+    if not check(obj[key]):
+        raise _bad(field, what, obj[key])
+    return obj[key]
+
+
+def _validate(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{CONFIG_FILE} must hold a JSON object, not {type(data).__name__}; the file is corrupted.")
+    if data.get("format") != FORMAT:
+        raise ArtifactError(f"{CONFIG_FILE} is not a kvbridge mapper (format {_short(data.get('format'))}).")
+    version = data.get("format_version")
+    if _is_int(version) and version > FORMAT_VERSION:
+        raise ArtifactError(f"{CONFIG_FILE} has format version {version}; this kvbridge reads up to {FORMAT_VERSION}. "
+                            "Upgrade kvbridge (`pip install -U kvbridge`).")
+    _get(data, "format_version", "", lambda v: _is_int(v) and 1 <= v, f"an integer from 1 to {FORMAT_VERSION}")
+    # sizes beyond 2**40 are not a model: bounding them keeps every product of shapes a machine integer
+    integer = lambda lo, hi=2**40: (lambda v: _is_int(v) and lo <= v <= hi)  # noqa: E731
+    text = lambda v: isinstance(v, str)  # noqa: E731
+    for role in ("source", "target"):
+        info = _get(data, role, "", lambda v: isinstance(v, dict), "an object")
+        _get(info, "name_or_path", role, text, "a string")
+        _get(info, "revision", role, lambda v: v is None or isinstance(v, str), "a string or null")
+        _get(info, "architecture", role, text, "a string")
+        for key, lo in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("max_positions", 0)):
+            _get(info, key, role, integer(lo), f"an integer from {lo} to 2**40")
+        _get(info, "tokenizer_sha256", role, text, "a string")
+        _get(info, "weights_sha256", role, lambda v: v is None or isinstance(v, str), "a string or null",
+             required=False)
+        rope = _get(info, "rope", role, lambda v: isinstance(v, dict), "an object")
+        _get(rope, "model_type", f"{role}.rope", text, "a string")
+        _get(rope, "rope_type", f"{role}.rope", text, "a string")
+        _get(rope, "head_dim", f"{role}.rope", integer(1), "an integer from 1 to 2**40")
+        _get(rope, "parameters", f"{role}.rope", lambda v: isinstance(v, dict) and all(
+            x is None or isinstance(x, (str, int, float, bool)) for x in v.values()),
+            "an object of numbers, strings, booleans or nulls", required=False)
+    selection = _get(data, "selection", "", lambda v: isinstance(v, dict), "an object")
+    for kind in ("key", "value"):
+        _get(selection, kind, "selection", lambda v: isinstance(v, list) and all(
+            isinstance(layers, list) and all(_is_int(s) for s in layers) for layers in v),
+            "a list (one per target layer) of lists of source layer indices")
+    fit = _get(data, "fit", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
+    _get(fit, "settings", "fit", lambda v: isinstance(v, dict), "an object", required=False)
+    levers = _get(data, "levers", "", lambda v: isinstance(v, list), "a list", required=False) or []
+    for i, lever in enumerate(levers):
+        where = f"levers[{i}]"
+        if not isinstance(lever, dict):
+            raise _bad(where, "an object", lever)
+        _get(lever, "kind", where, text, "'key' or 'value'")
+        _get(lever, "layer", where, integer(0), "an integer from 0 to 2**40")
+        _get(lever, "lags", where, lambda v: isinstance(v, list) and all(_is_int(j) for j in v),
+             "a list of integers", required=False)
+        _get(lever, "inputs", where, lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+             "a list of 'key'/'value'", required=False)
+        _get(lever, "hidden", where, integer(0), "an integer >= 0", required=False)
+    runtime = _get(data, "runtime", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
+    _get(runtime, "hold_back", "runtime", integer(1), "an integer >= 1", required=False)
+    _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+         and 0 <= v <= 1, "a number in [0, 1]", required=False)
+    _get(runtime, "recompute_by", "runtime", text, "a string", required=False)
+    _get(runtime, "sink", "runtime", lambda v: isinstance(v, bool), "true or false", required=False)
+    for key in ("bigram_pairs", "bigram_vocab"):
+        _get(runtime, key, "runtime", integer(0), "an integer >= 0", required=False)
 
 
 def is_artifact_dir(directory: Path) -> bool:
@@ -106,49 +199,148 @@ def check_writable_artifact_dir(directory: Path) -> None:
 
 
 def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
-    """Write the artifact atomically; an existing folder at ``directory`` is replaced only on success."""
+    """Write the artifact atomically; an existing folder at ``directory`` is replaced only on success.
+
+    Saves to one folder queue on a lock of its parent folder (POSIX), so concurrent saves never
+    interleave: the last one wins. Leftovers of a save that was killed are restored or removed first.
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory)
     check_writable_artifact_dir(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
-                   for name, t in mapper.weights.items()}
-        # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
-        with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
-            json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
-            handle.write("\n")
-        lines = [f"{sha256_file(tmp / name)}  {name}\n" for name in (CONFIG_FILE, WEIGHTS_FILE)]
-        (tmp / CHECKSUMS_FILE).write_text("".join(lines), encoding="utf-8")
-        for name in ARTIFACT_FILES:
-            with open(tmp / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        _replace_dir(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArtifactError(f"cannot create the folder {directory.parent} ({exc.strerror}); choose another place.") from None
+    with _parent_lock(directory.parent):
+        recover_interrupted_save(directory)
+        check_writable_artifact_dir(directory)  # again: another process may have written it meanwhile
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; an artifact folder follows the umask
+            tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
+                       for name, t in mapper.weights.items()}
+            # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
+            with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
+                json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
+                handle.write("\n")
+            lines = [f"{sha256_file(tmp / name)}  {name}\n" for name in (CONFIG_FILE, WEIGHTS_FILE)]
+            (tmp / CHECKSUMS_FILE).write_text("".join(lines), encoding="utf-8")
+            written = list(ARTIFACT_FILES)
+            if mapper.run_report:
+                (tmp / RUN_REPORT_FILE).write_text(json.dumps(mapper.run_report, indent=2) + "\n", encoding="utf-8")
+                written.append(RUN_REPORT_FILE)
+            for name in written:
+                os.chmod(tmp / name, 0o666 & ~umask())  # safetensors writes 0600
+                with open(tmp / name, "rb") as handle:
+                    os.fsync(handle.fileno())
+            _swap_in(tmp, directory)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ArtifactError(f"cannot write the artifact to {directory} ({exc.strerror or exc}); nothing was "
+                                "changed there. Check the disk space and permissions, or choose another folder.") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return directory
 
 
-def _replace_dir(new: Path, dest: Path) -> None:
-    """Move ``new`` to ``dest``; an old ``dest`` is moved aside first and removed after."""
-    old = None
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-        os.rmdir(old)
-        os.replace(dest, old)
-    os.replace(new, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+@contextlib.contextmanager
+def _parent_lock(parent: Path):
+    """An exclusive advisory lock on ``parent`` (flock on the folder itself: no lock file left behind)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here; saves still never leave a half-written artifact
+        yield
+        return
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the platform lacks it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # libc older than glibc 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a filesystem without exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(new: Path, dest: Path) -> None:
+    """Make ``new`` the folder at ``dest`` in one step; the old ``dest`` (if any) is removed afterwards."""
+    if not dest.exists():
+        os.rename(new, dest)
+        return
+    if _rename_exchange(new, dest):  # dest holds the new artifact, `new` the old one
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.rmdir(old)
+    os.rename(dest, old)  # a kill between these two renames leaves no `dest`: the next save restores it
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def leftovers(directory: str | Path) -> list[Path]:
+    """Folders an interrupted save of ``directory`` left beside it (``.NAME.tmp-*``, ``.NAME.old-*``)."""
+    directory = Path(directory)
+    if not directory.parent.is_dir():
+        return []
+    return sorted(p for pattern in (f".{directory.name}.tmp-*", f".{directory.name}.old-*")
+                  for p in directory.parent.glob(pattern) if p.is_dir())
+
+
+def recover_interrupted_save(directory: str | Path) -> list[str]:
+    """Repair what a killed save left: restore a complete artifact if ``directory`` is missing, remove the rest.
+
+    Call with the parent's lock held (``save_mapper`` does), so no leftover belongs to a live save.
+    Returns what was done, one line each.
+    """
+    directory = Path(directory)
+    done = []
+    found = leftovers(directory)
+    if not directory.exists():
+        complete = [p for p in found if not verify_artifact(p)]
+        complete.sort(key=lambda p: (".tmp-" not in p.name, -p.stat().st_mtime))  # the newer save's first
+        if complete:
+            os.rename(complete[0], directory)
+            found.remove(complete[0])
+            done.append(f"restored {directory} from {complete[0].name}")
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed {p.name}")
+    return done
+
+
+def _missing_hint(path_or_repo_id: str | Path) -> None:
+    """Before treating a missing local path as a hub id: say so when an interrupted save explains it."""
+    path = Path(path_or_repo_id).expanduser()
+    if not path.exists():
+        found = leftovers(path)
+        if found:
+            raise ArtifactError(f"{path} does not exist, but an interrupted save left {', '.join(p.name for p in found)} "
+                                f"beside it. Saving the mapper there again restores or removes them; or rename the "
+                                "one that passes `kvbridge verify` to the folder's name.")
 
 
 def read_checksums(directory: Path) -> dict[str, str]:
     path = directory / CHECKSUMS_FILE
     if not path.is_file():
-        raise ArtifactError(f"{path} is missing: the artifact is incomplete. Re-download or re-save it.")
+        raise ArtifactError(f"{path} is missing: the artifact is incomplete. Re-download or re-save it")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -186,8 +378,12 @@ def read_config(directory: str | Path) -> MapperConfig:
         raise ArtifactError(f"{path} is missing: not a mapper folder, or an incomplete artifact.")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ArtifactError(f"{path} cannot be read ({exc.strerror or exc}); check its permissions.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupted.") from None
+    except RecursionError:
+        raise ArtifactError(f"{path} is nested too deeply to be a mapper.json; the artifact is corrupted.") from None
     return config_from_json(data)
 
 
@@ -198,11 +394,18 @@ def load_mapper(
     dtype: torch.dtype | None = None,
     verify: bool = True,
 ) -> Mapper:
-    """Load a mapper from a folder or a hub repo; see :meth:`Mapper.from_pretrained`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Load a mapper from a folder or a hub repo; see :meth:`Mapper.from_pretrained`.
 
-    directory, _ = snapshot(str(path_or_repo_id), revision, ARTIFACT_FILES, ArtifactError, "mapper")
+    Tensor names, shapes and dtypes are checked from the file's header before any tensor is read, so
+    a file with junk tensors costs no memory; tensors are then read one at a time onto ``device``.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise ArtifactError(f"a mapper is a folder or a hub id (a string), not {type(path_or_repo_id).__name__}.")
+    check_device(device, "mapper device")
+    _missing_hint(path_or_repo_id)
+    directory, _ = snapshot(str(path_or_repo_id), revision, DOWNLOAD_FILES, ArtifactError, "mapper")
     if verify:
         problems = verify_artifact(directory)
         if problems:
@@ -211,17 +414,33 @@ def load_mapper(
                 "nothing was loaded."
             )
     config = read_config(directory)
+    problems = check_weights(directory, config, values=False)
+    if problems:
+        raise ArtifactError(f"{directory / WEIGHTS_FILE} does not match {CONFIG_FILE}: {'; '.join(problems[:3])}. "
+                            "Re-download or refit the mapper; nothing was loaded.")
     try:
-        tensors = load_file(str(directory / WEIGHTS_FILE), device=str(device))
-    except (SafetensorError, OSError) as exc:
-        raise ArtifactError(f"{directory / WEIGHTS_FILE} cannot be read ({exc}); the artifact is corrupted.") from None
-    if dtype is not None:
-        tensors = {name: t if keeps_dtype(name) else t.to(dtype) for name, t in tensors.items()}
-    return Mapper(config, tensors)
+        with safe_open(str(directory / WEIGHTS_FILE), framework="pt", device=str(device)) as handle:
+            tensors = {}
+            for name in config.weight_shapes():
+                t = handle.get_tensor(name)
+                tensors[name] = t if dtype is None or keeps_dtype(name) else t.to(dtype)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ArtifactError(f"{directory / WEIGHTS_FILE} cannot be read onto {device} ({exc}).") from None
+    return Mapper(config, tensors, run_report=read_run_report(directory))
 
 
-def check_weights(directory: str | Path, config: MapperConfig) -> list[str]:
-    """Problems between the tensors' names/shapes in the weights file and ``mapper.json`` (reads headers only)."""
+def read_run_report(directory: str | Path) -> dict[str, Any]:
+    """The fit's volatile measurements (``fit_report.json``), or {} when absent or unreadable (not verified)."""
+    try:
+        data = json.loads((Path(directory) / RUN_REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_weights(directory: str | Path, config: MapperConfig, values: bool = True) -> list[str]:
+    """Problems between the weights file and ``mapper.json``: names, shapes and dtypes from the header, then
+    (``values``) NaN/Inf read one tensor at a time."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -235,7 +454,7 @@ def check_weights(directory: str | Path, config: MapperConfig) -> list[str]:
                          if n in found and found[n] != s]
             problems += [f"tensor {n} has dtype {dtypes[n]}, expected {'I64' if n in INTEGER_TENSORS else 'F32'}"
                          for n in expected if n in dtypes and dtypes[n] != ("I64" if n in INTEGER_TENSORS else "F32")]
-            if not problems:  # one tensor at a time: memory stays at the largest tensor
+            if values and not problems:  # one tensor at a time: memory stays at the largest tensor
                 problems += [f"tensor {n} holds NaN or Inf" for n in expected if n not in INTEGER_TENSORS
                              and not bool(torch.isfinite(handle.get_tensor(n)).all())]
     except (SafetensorError, OSError) as exc:

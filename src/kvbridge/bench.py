@@ -35,6 +35,7 @@ import torch
 
 from .mapper import KINDS, Mapper, MapperConfig
 from .models import prefill
+from .outputs import save_figure
 from .transfer import Bridge
 
 
@@ -274,5 +275,5 @@ def plot_bench(rows: list[BenchRow], path: str) -> None:
     b.set(xscale="log", xlabel="context tokens", ylabel="× vs native prefill", title="speedup")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -126,6 +126,7 @@ def plan_table() -> str:
 
 def main(argv=None) -> None:
     from .bench import bench_table, device_name, run_bench
+    from .outputs import check_output_file, write_text
     from .transfer import Bridge
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -145,6 +146,8 @@ def main(argv=None) -> None:
     if args.plan:
         print(plan_table())
         return
+    if args.json:
+        check_output_file(args.json, "--json")
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
     source = build("ministral3-3b-text", args.device, dtype, args.tiny)
@@ -163,7 +166,7 @@ def main(argv=None) -> None:
         print(f"peak memory at {r.context_tokens:,} tokens: native {r.peak_memory_native_bytes / 2**30:.2f} GiB, "
               f"source+map {r.peak_memory_cold_bytes / 2**30:.2f} GiB")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "dtype": args.dtype, "tiny": args.tiny,
+        write_text(args.json, json.dumps({"device": where, "dtype": args.dtype, "tiny": args.tiny,
                                                "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 

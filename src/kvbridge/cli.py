@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import KVBridgeError
+from .outputs import check_output_dir, check_output_file, write_text
 
 EPILOG = "Models are local folders or hub ids (pin them with --source-revision/--target-revision)."
 
@@ -35,9 +36,12 @@ def _add_mapper(p: argparse.ArgumentParser) -> None:
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2, not {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, e.g. 0,1,2, not {text!r}")
+    return values
 
 
 def _add_levers(p: argparse.ArgumentParser) -> None:
@@ -241,6 +245,33 @@ def _parser() -> argparse.ArgumentParser:
                         add_help=False)
     lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see `lm-eval run -h`)")
 
+    card = sub.add_parser("card", help="write a Hub model card, artifact_manifest.json and example.py into an artifact",
+                          description="Adds README.md (a Hub model card: the pair with revisions and fingerprints, "
+                                      "the fit, retention and latency tables rendered from result files, usage, "
+                                      "limitations), artifact_manifest.json (provenance, file hashes, result "
+                                      "summaries) and example.py (a runnable cache handoff) to a mapper folder. "
+                                      "Figures come only from the files given; what was not measured is said to be "
+                                      "missing. The three files stay outside checksums.sha256 (the mapper's identity).",
+                          epilog=EPILOG)
+    card.add_argument("mapper", help="mapper folder (kvbridge fit --out)")
+    card.add_argument("--eval", help="folder `kvbridge eval --out` wrote (results.json): the retention table")
+    card.add_argument("--bench", help="file `kvbridge bench --json` wrote: the latency table")
+    card.add_argument("--frontier", help="folder `kvbridge frontier --out` wrote: retention against speed")
+    card.add_argument("--demo", help="demo.json `kvbridge demo --out` wrote: family-task retention and latency")
+    card.add_argument("--repo-id", help="hub id the artifact will be pushed to, for the usage snippets")
+    card.add_argument("--license", default="mit", help="license of the mapper in the card's metadata (default: mit)")
+
+    push = sub.add_parser("push", help="verify an artifact, then upload it to the Hugging Face Hub",
+                          description="Verifies the artifact, creates the hub repo if needed and uploads the "
+                                      "artifact's files (and its card, if `kvbridge card` wrote one) in one commit, "
+                                      "then prints the commit to pin. Needs a token with write access "
+                                      "(`hf auth login` or HF_TOKEN).", epilog=EPILOG)
+    push.add_argument("mapper", help="mapper folder")
+    push.add_argument("--repo-id", required=True, help="owner/name on the hub")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
+    push.add_argument("--token", help="hub token (default: the one `hf auth login` stored, or HF_TOKEN)")
+
     ver = sub.add_parser("verify", help="check a mapper's files, checksums and tensor shapes (exit 1 on any problem)")
     ver.add_argument("mapper", help="mapper folder or hub id")
     ver.add_argument("--revision", help="hub revision of the mapper")
@@ -251,16 +282,18 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_fit(args) -> int:
     from .artifact import check_artifact, check_writable_artifact_dir
     from .fit import FitConfig, fit_mapper
-    from .models import load_model, resolve_dtype
+    from .models import check_device, load_model, resolve_dtype
     from .stats import read_texts
 
     config = FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                        ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
                        **_lever_settings(args))
     texts = read_texts(args.texts)
-    out = Path(args.out)
+    out = check_output_dir(args.out)
     check_writable_artifact_dir(out)  # before minutes of fitting, not after
     dtype = resolve_dtype(args.dtype, args.device)
+    if args.target_device:
+        check_device(args.target_device, "--target-device")
     _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {args.device})")
     source = load_model(args.source, args.source_revision, args.device, dtype)
     target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
@@ -269,16 +302,20 @@ def _cmd_fit(args) -> int:
     problems = check_artifact(out)
     if problems:
         raise KVBridgeError(f"the artifact written to {out} does not verify: {'; '.join(problems)}")
-    f = mapper.config.fit
-    gib = f["peak_memory_bytes"] / 2**30
-    print(f"fitted {mapper.config.num_parameters():,} parameters in {f['fit_seconds']:.1f} s "
-          f"({f['observations']:,} observations, {f['observations_per_second']:,.0f} obs/s, "
-          f"statistics {f['statistics_gflop_per_second']:.2f} GFLOP/s, peak memory {gib:.2f} GiB [{f['peak_memory_kind']}])")
+    f, run = mapper.config.fit, mapper.run_report
+    gib = run["peak_memory_bytes"] / 2**30
+    print(f"fitted {mapper.config.num_parameters():,} parameters in {run['fit_seconds']:.1f} s "
+          f"({f['observations']:,} observations, {run['observations_per_second']:,.0f} obs/s, "
+          f"statistics {run['statistics_gflop_per_second']:.2f} GFLOP/s, peak memory {gib:.2f} GiB "
+          f"[{run['peak_memory_kind']}])")
     for kind in ("key", "value"):
         line = f"  {kind:5s} R²: fit {f[f'{kind}_r2_fit_mean']:.4f}"
         if f"{kind}_r2_heldout_mean" in f:
             line += f", held-out {f[f'{kind}_r2_heldout_mean']:.4f}"
         print(line)
+        if f[f"{kind}_r2_fit_mean"] < 0.1:
+            _log(f"warning: the {kind} map explains less than 10% of the target's variance (R² "
+                 f"{f[f'{kind}_r2_fit_mean']:.3f}); a smaller --ridge, more --num-texts, or another pair may help.")
     print(f"saved and verified: {out}")
     return 0
 
@@ -289,6 +326,8 @@ def _cmd_generate(args) -> int:
 
     if args.max_new_tokens < 1:
         raise KVBridgeError("--max-new-tokens must be at least 1.")
+    if not 0 <= args.seed < 2**63:
+        raise KVBridgeError(f"--seed must be an integer from 0 to 2**63 - 1, not {args.seed}.")
     bridge = _bridge(args)
     kwargs = {}
     if args.sample:
@@ -333,6 +372,7 @@ def _cmd_frontier(args) -> int:
     if args.source and not (args.heldout and args.texts):
         raise KVBridgeError("with your own pair give --texts (calibration) and --heldout (texts the models were "
                             "not calibrated on); the embedded family's texts would not fit another tokenizer.")
+    check_output_dir(args.out)
     try:
         import matplotlib  # noqa: F401  (frontier.png is written at the end: fail now, not after minutes)
     except ImportError:
@@ -362,6 +402,9 @@ def _cmd_bench(args) -> int:
         raise KVBridgeError(f"--contexts must be comma-separated integers, not {args.contexts!r}.") from None
     if not contexts or min(contexts) < 2 or args.trials < 1 or args.warmup < 0 or args.batch < 1:
         raise KVBridgeError("--contexts must be >= 2 tokens each, --trials >= 1, --warmup >= 0, --batch >= 1.")
+    for flag in ("json", "plot"):
+        if getattr(args, flag):
+            check_output_file(getattr(args, flag), f"--{flag}")
     bridge = _bridge(args)
     limit = bridge.target.info.max_positions
     if limit and max(contexts) > limit:
@@ -373,7 +416,7 @@ def _cmd_bench(args) -> int:
           f"{args.warmup} warm-ups, median of {args.trials} trials\n")
     print(bench_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": where, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
+        write_text(args.json, json.dumps({"device": where, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
     if args.plot:
         plot_bench(rows, args.plot)
     return 0
@@ -401,8 +444,14 @@ def _cmd_eval(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise KVBridgeError("--tasks is empty.")
+    if args.limit is not None and not 0 < args.limit < float("inf"):
+        raise KVBridgeError(f"--limit must be a number of documents >= 1 or a fraction in (0, 1), not {args.limit}.")
+    if args.batch_size < 1 or (args.num_fewshot is not None and args.num_fewshot < 0) or args.rolling_chunk < 2:
+        raise KVBridgeError("--batch-size must be >= 1, --num-fewshot >= 0 and --rolling-chunk >= 2.")
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     fewshot = fewshot_plan(tasks, args.protocol, args.num_fewshot)
+    if args.out:
+        check_output_dir(args.out)
     bridge = _bridge(args)
     modes = ("native", "mapped") + (("source",) if args.with_source else ())
     try:
@@ -415,12 +464,16 @@ def _cmd_eval(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        from .bench import device_name
+
         payload = {"protocol": {"name": args.protocol, "num_fewshot": fewshot}, "rows": rows,
+                   "device": device_name(bridge.target.device),
+                   "dtype": str(next(bridge.target.model.parameters()).dtype).replace("torch.", ""),
                    "native_fallbacks": results["mapped"]["kvbridge"],
                    "lm_eval": {m: {k: r[k] for k in ("results", "versions", "n-shot", "config", "kvbridge")
                                    if k in r} for m, r in results.items()}}
-        (out / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        (out / "table.md").write_text(table + "\n")
+        write_text(out / "results.json", json.dumps(payload, indent=2, default=str) + "\n")
+        write_text(out / "table.md", table + "\n")
         print(f"\nwritten: {out / 'results.json'}, {out / 'table.md'}")
     return 0
 
@@ -434,13 +487,14 @@ def _cmd_diagnose(args) -> int:
     texts = read_texts(args.texts)
     if args.items < 4 or args.seq_len < 128:
         raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 (the recall task places spans 64+ tokens apart).")
+    check_output_dir(args.out)
     bridge = _bridge(args)
     report = diagnose(bridge, texts, args.items, args.seq_len)
     if args.oracle:
         report["oracle"] = oracle(bridge, texts, args.items, args.seq_len)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "diagnostics.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(out / "diagnostics.json", json.dumps(report, indent=2) + "\n")
     plots = plot_diagnostics(report, out)
     if args.oracle:
         rows = report["oracle"]["rows"]
@@ -495,12 +549,18 @@ def _cmd_lm_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from .artifact import ARTIFACT_FILES, CONFIG_FILE, config_to_json, read_config
+    from .artifact import CONFIG_FILE, DOWNLOAD_FILES, _missing_hint, config_to_json, read_config, read_run_report
     from .errors import ArtifactError
     from .hub import snapshot
 
-    directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
+    _missing_hint(args.mapper)
+    directory, _ = snapshot(args.mapper, args.revision, DOWNLOAD_FILES, ArtifactError, "mapper")
     config = read_config(directory)
+    run = read_run_report(directory)
+    missing = [n for n in ("mapper.safetensors", "checksums.sha256") if not (Path(directory) / n).is_file()]
+    if missing:
+        _log(f"note: {', '.join(missing)} missing beside {CONFIG_FILE}: this describes an incomplete artifact "
+             "(`kvbridge verify` checks every file).")
     if args.json:
         print((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"), end="")
         return 0
@@ -519,34 +579,84 @@ def _cmd_inspect(args) -> int:
         sizes = sorted({len(s) for s in sel})
         print(f"{kind:9s} top_k {sizes[0] if len(sizes) == 1 else sizes}; selection per target layer: "
               f"{_clip(str([list(s) for s in sel]), 100)}")
-    if f.get("settings"):
+    if isinstance(f.get("settings"), dict):
         s = f["settings"]
+        seconds = f"{run['fit_seconds']} s" if "fit_seconds" in run else "time not recorded"
         print(f"fit       {s.get('num_texts')} texts × {s.get('seq_len')} tokens, stride {s.get('stride')}, "
-              f"{f.get('observations', '?'):,} observations, ridge {s.get('ridge')}, {f.get('fit_seconds', '?')} s")
+              f"{_count(f.get('observations'))} observations, ridge {s.get('ridge')}, {seconds}")
         print(f"          corpus sha256 {str(f.get('calibration_sha256', '?'))[:16]}…")
         for kind in ("key", "value"):
-            held = f.get(f"{kind}_r2_heldout_mean")
-            print(f"R² {kind:6s} fit {f.get(f'{kind}_r2_fit_mean', float('nan')):.4f}"
-                  + (f", held-out {held:.4f}" if held is not None else ""))
+            fitted, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
+            print(f"R² {kind:6s} fit {_number(fitted)}" + (f", held-out {_number(held)}" if held is not None else ""))
     elif f.get("kind"):
         print(f"fit       {f['kind']}")
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from .artifact import ARTIFACT_FILES, check_artifact
+    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, _missing_hint, check_artifact, leftovers
     from .errors import ArtifactError
     from .hub import snapshot
 
+    _missing_hint(args.mapper)
     directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
     problems = check_artifact(directory)
+    for p in leftovers(directory):
+        print(f"NOTE  {p.name} beside it is left from an interrupted save; the next save there removes it",
+              file=sys.stderr)
     if problems:
         for p in problems:
             print(f"FAIL  {p}", file=sys.stderr)
         print(f"{directory}: {len(problems)} problem(s). Re-download or refit the mapper.", file=sys.stderr)
         return 1
-    print(f"OK    {directory}: checksums match, mapper.json valid, all tensor shapes as recorded")
+    print(f"OK    {directory}: checksums match, mapper.json valid, all tensor names, shapes and dtypes as recorded, "
+          f"no NaN or Inf ({RUN_REPORT_FILE} and the card files README.md, artifact_manifest.json, example.py, if "
+          "present, describe the mapper and are deliberately not covered)")
     return 0
+
+
+def _cmd_card(args) -> int:
+    from .card import write_card
+
+    written = write_card(args.mapper, eval_dir=args.eval, bench_json=args.bench, frontier_dir=args.frontier,
+                         demo_json=args.demo, repo_id=args.repo_id, license_id=args.license)
+    print("written: " + ", ".join(str(p) for p in written))
+    missing = [what for what, given in (("retention (--eval or --demo)", args.eval or args.demo),
+                                        ("latency (--bench or --demo)", args.bench or args.demo)) if not given]
+    if missing:
+        print(f"the card says these were not measured: {', '.join(missing)}")
+    return 0
+
+
+def _cmd_push(args) -> int:
+    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, check_artifact
+    from .card import CARD_FILE, CARD_FILES
+    from .errors import ArtifactError
+    from .hub import push_folder
+
+    folder = Path(args.mapper)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
+    problems = check_artifact(folder)
+    if problems:
+        raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was pushed.")
+    files = [n for n in (*ARTIFACT_FILES, RUN_REPORT_FILE, *CARD_FILES) if (folder / n).is_file()]
+    if CARD_FILE not in files:
+        _log(f"note: {folder} has no model card; `kvbridge card {folder}` writes one (README.md).")
+    commit, url, pr = push_folder(folder, args.repo_id, files, ArtifactError, private=args.private,
+                                  create_pr=args.create_pr, token=args.token)
+    print(f"pushed {len(files)} files to {args.repo_id}: {pr or url}")
+    print(f"pin this commit: Mapper.from_pretrained({args.repo_id!r}, revision={commit!r})"
+          f"  (CLI: --mapper {args.repo_id} --mapper-revision {commit})")
+    return 0
+
+
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def _number(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "?"
 
 
 def _clip(text: str, width: int) -> str:
@@ -560,7 +670,7 @@ def _log(message: str) -> None:
 COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
             "frontier": _cmd_frontier,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
-            "inspect": _cmd_inspect, "verify": _cmd_verify}
+            "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,6 +683,13 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KVBridgeError as exc:
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a disk, permission, path or network problem the checks could not foresee
+        where = f" ({exc.filename})" if exc.filename else ""
+        hint = ("Check the network (lm-eval downloads its datasets; kvbridge's own tasks work offline), then rerun."
+                if isinstance(exc, (ConnectionError, TimeoutError)) or "reach" in str(exc)
+                else "Check the path, its permissions and the free disk space, then rerun.")
+        print(f"kvbridge {args.command}: error: {exc.strerror or exc}{where}. {hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

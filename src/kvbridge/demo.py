@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 
 from . import family
-from .artifact import check_artifact
+from .artifact import check_artifact, check_writable_artifact_dir
 from .bench import bench_table, run_bench
+from .card import write_card
 from .errors import KVBridgeError
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
 from .mapper import Mapper
+from .outputs import check_output_dir, write_text
 from .transfer import Bridge
 
 
@@ -67,6 +69,9 @@ def _side_by_side(plain: list, recommended: list) -> str:
 def run_demo(out: str | None = None, quick: bool = False, progress: bool = True) -> dict:
     """Run the demo; returns every figure (also written to ``OUT/demo.json`` when ``out`` is given)."""
     cfg = QUICK if quick else FULL
+    if out:  # before minutes of work, not after
+        check_output_dir(out)
+        check_writable_artifact_dir(Path(out) / "mapper")
     torch.manual_seed(0)
     start = time.perf_counter()
     source, target = family.load_family()
@@ -81,7 +86,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
     f = mapper.config.fit
     levers = ", ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
                        + (f", MLP {v.hidden}" if v.hidden else "") for v in mapper.config.levers) or "none"
-    _say(f"fit: {f['observations']:,} observations in {f['fit_seconds']:.1f} s; levers: {levers}; runtime "
+    _say(f"fit: {f['observations']:,} observations in {mapper.run_report['fit_seconds']:.1f} s; levers: {levers}; runtime "
          f"{mapper.config.runtime.to_dict()}; held-out R² keys {f.get('key_r2_heldout_mean', float('nan')):.3f} "
          f"(plain {plain.config.fit.get('key_r2_heldout_mean', float('nan')):.3f}), values "
          f"{f.get('value_r2_heldout_mean', float('nan')):.3f}")
@@ -134,6 +139,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
         "threads": torch.get_num_threads(),
         "family": fam,
         "fit": {k: v for k, v in f.items() if not k.endswith("single_layer_r2")},
+        "fit_run": mapper.run_report,
         "levers": [v.to_dict() for v in mapper.config.levers],
         "runtime": mapper.config.runtime.to_dict(),
         "samples": samples,
@@ -142,8 +148,10 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
         "seconds": round(time.perf_counter() - start, 1),
     }
     if out:
-        (root / "demo.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
-        _say(f"\nall figures: {root / 'demo.json'}")
+        write_text(root / "demo.json", json.dumps(figures, indent=2) + "\n")
+        written = write_card(artifact, demo=figures)  # the artifact leaves as a release would: carded
+        _say(f"\nall figures: {root / 'demo.json'}; model card, manifest and example: "
+             + ", ".join(p.name for p in written) + f" in {artifact}")
     else:
         tmp.cleanup()
     _say(f"demo finished in {figures['seconds']:.0f} s")

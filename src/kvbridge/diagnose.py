@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .evaluate import family_tasks, heldout_rows, mean_retention
 from .fit import heldout_r2
 from .models import cache_kv, make_cache, positions_from_mask, prefill
+from .outputs import save_figure
 from .rope import apply_rope, query_scale, rotary_factors
 from .transfer import Bridge
 
@@ -154,7 +155,7 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
         ax.set_ylim(min(0.0, min(values)), 1.0)
         fig.tight_layout()
         path = Path(out_dir) / f"{key}.png"
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
     if "oracle" in report:
@@ -171,7 +172,7 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = Path(out_dir) / "oracle.png"
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
     return paths

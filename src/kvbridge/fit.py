@@ -40,6 +40,8 @@ from .stats import (
 )
 
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
+MAX_WIDTH = 65_536  # widest residual MLP a fit accepts (the published geometry's features: 1,024)
+MAX_RIDGE = 1e3  # relative ridge: at 1e3 the map keeps about a thousandth of the signal
 _MAX_RIDGE_RAISES = 12
 _MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
 
@@ -84,6 +86,7 @@ class FitConfig:
             self.lever_count > 0 if self.lever_layers is None else bool(self.lever_layers))
 
     def __post_init__(self):
+        _check_types(self)
         object.__setattr__(self, "lags", tuple(sorted(set(int(j) for j in self.lags))))
         if self.lever_layers is not None:
             object.__setattr__(self, "lever_layers", tuple(sorted(set(int(j) for j in self.lever_layers))))
@@ -102,6 +105,10 @@ class FitConfig:
             raise InputError("--lever-count must be >= 0 and --lever-stride >= 1.")
         if self.lever_layers is not None and any(j < 0 for j in self.lever_layers):
             raise InputError("--lever-layers must be target layer indices >= 0.")
+        if self.mlp_hidden > MAX_WIDTH or self.hold_back > MAX_WIDTH * 16:
+            raise InputError(f"--mlp-hidden must be at most {MAX_WIDTH:,} and --hold-back at most {MAX_WIDTH * 16:,}.")
+        if not 0 <= self.seed < 2**63:
+            raise InputError("--seed must be an integer from 0 to 2**63 - 1.")
         if self.mlp_hidden < 0 or self.mlp_steps < 1 or self.mlp_batch < 1 or not self.mlp_lr > 0 \
                 or self.mlp_observations < 20:
             raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0, "
@@ -118,12 +125,53 @@ class FitConfig:
             raise InputError(f"--stride must be between 1 and --seq-len ({self.seq_len}).")
         if self.top_k is not None and self.top_k < 1:
             raise InputError("--top-k must be at least 1.")
-        if not self.ridge >= 0:
-            raise InputError("--ridge must be a number >= 0.")
+        if not 0 <= self.ridge <= MAX_RIDGE:
+            raise InputError(f"--ridge must be a number from 0 to {MAX_RIDGE:g} (it is relative to the mean diagonal "
+                             f"of the source Gram: beyond that the map is all but zero), not {self.ridge}.")
         if self.batch_size < 1:
             raise InputError("--batch-size must be at least 1.")
         if self.heldout_texts < 0:
             raise InputError("--heldout-texts must be >= 0.")
+
+
+_INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
+         "mlp_steps", "mlp_batch", "mlp_observations", "seed", "hold_back")
+_OPTIONAL_INTS = ("top_k", "lever_top_k")
+_NUMBERS = ("ridge", "mlp_lr", "recompute")
+_STRINGS = ("lever_inputs", "lever_weighting", "recompute_by")
+
+
+def _check_types(config: FitConfig) -> None:
+    """One InputError naming the setting, instead of a TypeError from deep in the fit (Python callers)."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def bad(name, what):
+        return InputError(f"FitConfig.{name} must be {what}, not {getattr(config, name)!r}.")
+
+    for name in _INTS:
+        if not is_int(getattr(config, name)):
+            raise bad(name, "an integer")
+    for name in _OPTIONAL_INTS:
+        if getattr(config, name) is not None and not is_int(getattr(config, name)):
+            raise bad(name, "an integer or None")
+    for name in _NUMBERS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(name, "a number")
+    for name in _STRINGS:
+        if not isinstance(getattr(config, name), str):
+            raise bad(name, "a string")
+    if not isinstance(config.sink, bool):
+        raise bad("sink", "True or False")
+    for name in ("lags", "lever_layers"):
+        value = getattr(config, name)
+        if value is None and name == "lever_layers":
+            continue
+        if not isinstance(value, (tuple, list)) or not all(is_int(v) for v in value):
+            raise bad(name, "a tuple of integers")
+    if not isinstance(config.lever_kinds, (tuple, list)) or not all(isinstance(k, str) for k in config.lever_kinds):
+        raise bad("lever_kinds", "a tuple of 'key'/'value'")
 
 
 def _layer_slice(layer: int, features: int) -> slice:
@@ -298,7 +346,22 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     from .hashing import sha256_texts
     from .models import check_same_tokenizer
 
+    for role, model in (("source", source), ("target", target)):
+        if not isinstance(model, LoadedModel):
+            raise InputError(f"{role} must be a model from kvbridge.models.load_model (or family.load_family), not "
+                             f"{type(model).__name__}.")
+    if not isinstance(config, FitConfig):
+        raise InputError(f"config must be a kvbridge.fit.FitConfig, not {type(config).__name__}.")
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise InputError("texts must be a list of strings (read a file with kvbridge.stats.read_texts).")
     check_same_tokenizer(source.info, target.info)
+    if config.top_k is not None and config.top_k > source.info.num_layers:
+        raise InputError(f"--top-k {config.top_k}: the source has {source.info.num_layers} layers; pass at most that "
+                         "(or leave it out for all of them).")
+    limit = min(p for p in (source.info.max_positions, target.info.max_positions, 1 << 62) if p)
+    if config.seq_len > limit:
+        raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
+                         f"most {limit}.")
     if config.has_levers and config.lever_layers and max(config.lever_layers) >= target.info.num_layers:
         raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target.info.num_layers} layers "
                          f"(0 to {target.info.num_layers - 1}).")
@@ -337,6 +400,15 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                                                  config.lever_weighting)
         weights.update(lever_weights)
     fit_seconds = time.perf_counter() - start
+    run_report = {  # volatile: kept out of mapper.json so that identical fits give identical checksums
+        "fit_seconds": round(fit_seconds, 3),
+        "solve_seconds": round(solve_seconds, 3),
+        "observations_per_second": round(stats.observations / max(stats.seconds, 1e-9), 1),
+        "statistics_gflop_per_second": round(stats.update_flops() / max(stats.seconds, 1e-9) / 1e9, 3),
+        "peak_memory_bytes": _peak_memory_bytes(device),
+        "peak_memory_kind": "device allocator" if device.type == "cuda" else "process RSS (CPU)",
+        "torch_threads": torch.get_num_threads(),
+    }
     fit_info = {
         "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
         "levers": lever_report,
@@ -345,12 +417,6 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "tokens": stats.tokens,
         "calibration_sha256": sha256_texts(texts),
         "calibration_token_ids_sha256": _ids_sha(fit_seqs),
-        "fit_seconds": round(fit_seconds, 3),
-        "solve_seconds": round(solve_seconds, 3),
-        "observations_per_second": round(stats.observations / max(stats.seconds, 1e-9), 1),
-        "statistics_gflop_per_second": round(stats.update_flops() / max(stats.seconds, 1e-9) / 1e9, 3),
-        "peak_memory_bytes": _peak_memory_bytes(device),
-        "peak_memory_kind": "device allocator" if device.type == "cuda" else "process RSS (CPU)",
         "device": str(device),
         "model_dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
     }
@@ -368,7 +434,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                              recompute_by=config.recompute_by, bigram_vocab=vocab,
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
-                                 levers=levers, runtime=runtime), weights)
+                                 levers=levers, runtime=runtime), weights, run_report)
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
         for kind in KINDS:

@@ -27,6 +27,7 @@ import torch
 from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, time_ms
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
+from .outputs import check_output_dir, save_figure, write_text
 from .transfer import Bridge
 
 MIN_SPEEDUP = 1.5
@@ -165,7 +166,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     """Measure every point; write DIR/frontier.json, frontier.md, frontier.png; return the JSON."""
     from .evaluate import bootstrap_interval
 
-    out = Path(out)
+    out = check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     longest = max(config.lengths)
@@ -217,8 +218,8 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
               "lengths": list(config.lengths), "items": config.items, "validation_items": config.validation_items,
               "fit": asdict(config.fit), "device": device_name(target.device), "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - start, 1)}
-    (out / "frontier.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "frontier.md").write_text(frontier_table(report) + "\n", encoding="utf-8")
+    write_text(out / "frontier.json", json.dumps(report, indent=2) + "\n")
+    write_text(out / "frontier.md", frontier_table(report) + "\n")
     plot_frontier(report, out / "frontier.png")
     return report
 
@@ -278,5 +279,5 @@ def plot_frontier(report: dict, path) -> None:
     ax.set(xlabel=f"TTFT speed-up at {max(report['lengths'])} tokens (× native)",
            ylabel="mean floor-normalized retention (%)", title="retention vs time to first token")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

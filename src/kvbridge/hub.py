@@ -1,6 +1,7 @@
-"""Resolve a local folder or a hub id (with an optional pinned revision) to a local snapshot.
+"""The one place that talks to huggingface_hub: snapshots to read (models, mappers) and pushes of artifacts.
 
-The one place that talks to huggingface_hub for downloads; models and mapper artifacts both use it.
+``snapshot`` resolves a local folder or a hub id (with an optional pinned revision) to a local
+snapshot; ``push_folder`` uploads an artifact folder in one commit.
 Honours ``HF_HUB_OFFLINE=1`` (no network attempt, cached snapshots only) and turns the hub's
 exceptions into one :class:`~kvbridge.errors.ModelLoadError` / :class:`ArtifactError` with a hint.
 """
@@ -32,6 +33,11 @@ def snapshot(
     For a folder, ``commit`` is the 40-hex snapshot hash when the folder lies in a hub cache
     (``…/snapshots/<hash>``), else ``None``. For a hub id it is the resolved commit.
     """
+    if not isinstance(id_or_path, (str, os.PathLike)):
+        raise error_cls(f"a {what} is a folder or a hub id (a string), not {type(id_or_path).__name__}.")
+    id_or_path = str(id_or_path)
+    if not id_or_path.strip():
+        raise error_cls(f"no {what} given: pass a folder or a hub id (owner/name).")
     path = Path(id_or_path).expanduser()
     if path.is_dir():
         match = _SNAPSHOT_RE.search(str(path.resolve()))
@@ -52,6 +58,9 @@ def snapshot(
             allow_patterns=allow_patterns,
             local_files_only=_offline(),
         )
+    except hub_errors.HFValidationError as exc:
+        raise error_cls(f"{what} {id_or_path!r} is neither an existing folder nor a valid hub id ({exc}). "
+                        "Check the path or the id (owner/name).") from None
     except hub_errors.GatedRepoError as exc:
         raise error_cls(
             f"{what} {id_or_path!r} is gated: accept its licence on the hub and log in "
@@ -71,3 +80,48 @@ def snapshot(
         raise error_cls(f"{what} {id_or_path!r} (revision {revision or 'main'}) is not available: {hint}") from exc
     match = _SNAPSHOT_RE.search(str(Path(local).resolve()))
     return Path(local), (match.group(1) if match else revision)
+
+
+def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KVBridgeError], private: bool = False,
+                create_pr: bool = False, token: str | None = None, commit_message: str = "Upload kvbridge mapper"
+                ) -> tuple[str, str, str | None]:
+    """Create ``repo_id`` if needed and upload ``files`` of ``folder`` in one commit.
+
+    Returns ``(commit_sha, commit_url, pr_url)``. Offline mode, a missing or refused token, an invalid
+    id and an unreachable hub are one ``error_cls`` each, with what to do.
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import errors as hub_errors
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except hub_errors.HFValidationError as exc:
+        raise error_cls(f"--repo-id {repo_id!r} is not a hub id ({exc}); use owner/name.") from None
+    if repo_id.count("/") != 1:
+        raise error_cls(f"--repo-id {repo_id!r} must name an owner: owner/name.")
+    if _offline():
+        raise error_cls("HF_HUB_OFFLINE is set: nothing can be pushed. Unset it (and check the network), then retry.")
+    if token is None and get_token() is None:
+        raise error_cls("not logged in to the Hugging Face Hub: run `hf auth login` with a token that has write "
+                        "access, or set HF_TOKEN, then retry.")
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", allow_patterns=files,
+                                 commit_message=commit_message, create_pr=create_pr)
+    except hub_errors.OfflineModeIsEnabled:
+        raise error_cls("HF_HUB_OFFLINE is set: nothing can be pushed. Unset it, then retry.") from None
+    except hub_errors.HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None)
+        if status in (401, 403):
+            raise error_cls(f"the hub refused the token (HTTP {status}): pushing to {repo_id} needs a token with write "
+                            "access to it. Run `hf auth login` with such a token, then retry.") from None
+        raise error_cls(f"the hub answered HTTP {status} for {repo_id}: {getattr(exc, 'server_message', None) or exc}")\
+            from None
+    except Exception as exc:
+        if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3"):
+            raise error_cls(f"cannot reach the hub ({type(exc).__name__}: {exc}); check the network (or HF_ENDPOINT), "
+                            "then retry. Nothing was pushed.") from None
+        raise
+    return info.oid, info.commit_url, info.pr_url

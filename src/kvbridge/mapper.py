@@ -22,6 +22,7 @@ logs or syncs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,7 +211,7 @@ class MapperConfig:
         return shapes | self.runtime.tensor_shapes()
 
     def num_parameters(self) -> int:
-        return sum(int(torch.Size(s).numel()) for s in self.weight_shapes().values())
+        return sum(math.prod(s) for s in self.weight_shapes().values())
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ def build_features(per_kind: dict[str, torch.Tensor], spec: Features, sources: t
 class Mapper:
     """A fitted cross-model KV mapper. Build with :meth:`from_pretrained` or :func:`kvbridge.fit.fit_mapper`."""
 
-    def __init__(self, config: MapperConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: MapperConfig, weights: dict[str, torch.Tensor],
+                 run_report: dict[str, Any] | None = None):
         expected = config.weight_shapes()
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -287,6 +289,9 @@ class Mapper:
                                 "would produce garbage. Refit it, or re-download it.")
         self.config = config
         self.weights = weights
+        # how the fit that made it ran (time, throughput, peak memory): saved beside the artifact, outside
+        # its checksummed identity, because it changes between identical fits
+        self.run_report = dict(run_report or {})
         self._groups = {kind: self._build_groups(kind) for kind in KINDS}
 
     # -- construction -----------------------------------------------------------------------
@@ -328,7 +333,7 @@ class Mapper:
         """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime)."""
         moved = {name: t.to(device=device, dtype=None if keeps_dtype(name) else dtype)
                  for name, t in self.weights.items()}
-        return Mapper(self.config, moved)
+        return Mapper(self.config, moved, self.run_report)
 
     @classmethod
     def identity(cls, info: ModelInfo) -> "Mapper":

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import CompatibilityError, ModelLoadError
-from .hashing import sha256_json
+from .hashing import sha256_bytes, sha256_json
 from .hub import snapshot
 from .rope import RopeSpec, rope_spec
 
@@ -54,6 +54,9 @@ class ModelInfo:
     max_positions: int
     rope: RopeSpec
     tokenizer_sha256: str
+    # sampled bytes of the checkpoint's weights (see weights_fingerprint); None: not safetensors, or
+    # a mapper written before it was recorded
+    weights_sha256: str | None = None
 
     @property
     def kv_features(self) -> int:
@@ -87,12 +90,31 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
+def check_device(device: str | torch.device | None, flag: str = "--device") -> torch.device:
+    """A torch device that exists on this machine, or a ModelLoadError that says which ones do."""
+    try:
+        dev = torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"{flag} {device!r} is not a device; use cpu, cuda, cuda:N or mps.") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+                 "xpu": hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if dev.type not in available:
+        raise ModelLoadError(f"{flag} {device}: kvbridge runs on cpu, cuda, mps or xpu devices, not {dev.type}.")
+    if not available[dev.type]:
+        raise ModelLoadError(f"{flag} {device}: no {dev.type} device is available on this machine (torch "
+                             f"{torch.__version__}); use {flag} cpu, or install a torch build for it.")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    return dev
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """``auto``/None: bfloat16 on accelerators, float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        return torch.float32 if check_device(device).type == "cpu" else torch.bfloat16
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
     if dtype not in names:
@@ -106,6 +128,47 @@ def tokenizer_fingerprint(tokenizer) -> str:
     if backend is not None:
         return sha256_json(json.loads(backend.to_str()))
     return sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "special": tokenizer.all_special_ids})
+
+
+FINGERPRINT_ELEMENTS = 1024  # per tensor, at its start, middle and end
+
+
+def weights_fingerprint(local_dir) -> str | None:
+    """SHA-256 of a checkpoint's tensors as stored: every tensor's name, dtype and shape and the bytes of
+    up to 1,024 elements at its start, middle and end, read through safetensors' lazy slices.
+
+    Cheap (a few MB read for an 8B checkpoint, whatever dtype or device the model is loaded in) and
+    independent of how the tensors are sharded; re-initialized or fine-tuned weights of the same
+    architecture change it. ``None`` when the folder holds no ``model*.safetensors``.
+    """
+    from pathlib import Path
+
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(Path(local_dir).glob("model*.safetensors"))
+    if not files:
+        return None
+    entries = []
+    try:
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    shape = list(view.get_shape())
+                    e = FINGERPRINT_ELEMENTS
+                    if not shape or not shape[0]:
+                        picks = [handle.get_tensor(name)]
+                    elif len(shape) == 1:
+                        picks = [view[i : i + e] for i in (0, shape[0] // 2, max(0, shape[0] - e))]
+                    else:  # one row each: a slice reads only what it returns
+                        picks = [view[i : i + 1] for i in (0, shape[0] // 2, shape[0] - 1)]
+                    data = b"".join(t.reshape(-1)[:e].contiguous().view(torch.uint8).numpy().tobytes() for t in picks)
+                    entries.append((name, view.get_dtype(), shape, data))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot read the weights in {local_dir} ({exc}); the checkpoint is incomplete or "
+                             "corrupted.") from None
+    return sha256_bytes(json.dumps([name, dtype, shape]).encode() + b"\0" + data
+                        for name, dtype, shape, data in sorted(entries, key=lambda entry: entry[0]))
 
 
 @contextlib.contextmanager
@@ -147,6 +210,7 @@ def load_model(
     """Load a text-only causal LM and its tokenizer from a folder or a hub id (pinned revision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
     config, multimodal = _text_config(local_dir)
     torch_dtype = resolve_dtype(dtype, device)
@@ -182,6 +246,7 @@ def load_model(
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         rope=rope_spec(model),
         tokenizer_sha256=tokenizer_fingerprint(tokenizer),
+        weights_sha256=weights_fingerprint(local_dir),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 
@@ -224,10 +289,14 @@ def check_matches(loaded: ModelInfo, recorded: ModelInfo, role: str, allow_revis
         problems.append(f"revision {loaded.revision or 'unknown (local folder)'} != recorded {recorded.revision}")
     if _is_hub_id(loaded.name_or_path) and _is_hub_id(recorded.name_or_path) and loaded.name_or_path != recorded.name_or_path:
         problems.append(f"repo {loaded.name_or_path!r} != recorded {recorded.name_or_path!r}")
+    if recorded.weights_sha256 and loaded.weights_sha256 and loaded.weights_sha256 != recorded.weights_sha256:
+        problems.append(f"its weights differ from the ones the mapper was fitted on (fingerprint "
+                        f"{loaded.weights_sha256[:12]} != recorded {recorded.weights_sha256[:12]}: re-initialized, "
+                        "fine-tuned or another checkpoint)")
     if problems:
         raise CompatibilityError(
             f"{role} model is not the checkpoint the mapper was fitted for: {'; '.join(problems)}. Load the "
-            "recorded revision, or pass --allow-revision-mismatch (allow_revision_mismatch=True) to accept "
+            "recorded checkpoint, or pass --allow-revision-mismatch (allow_revision_mismatch=True) to accept "
             "possibly lower quality."
         )
 

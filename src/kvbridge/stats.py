@@ -34,7 +34,11 @@ from .models import LoadedModel, prefill_content
 # -- texts and calibration sequences -----------------------------------------------------------
 def read_texts(path: str | Path) -> list[str]:
     """Texts from a ``.txt`` file (one per non-empty line) or ``.jsonl`` (a ``text`` field per line)."""
+    if not str(path).strip():
+        raise InputError("no texts file given: pass a .txt or .jsonl file.")
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; pass a .txt or .jsonl file.")
     if not path.is_file():
         raise InputError(f"text file {str(path)!r} does not exist.")
     texts: list[str] = []
@@ -52,8 +56,15 @@ def read_texts(path: str | Path) -> list[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{path}:{number} is not valid JSON ({exc.msg}).") from None
+                except RecursionError:
+                    raise InputError(f"{path}:{number} is nested too deeply to be a text record.") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                     raise InputError(f"{path}:{number} has no string field 'text'; each line must be {{\"text\": ...}}.")
+                try:  # JSON can spell a lone surrogate ("\\ud800"), which no tokenizer reads
+                    record["text"].encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InputError(f"{path}:{number}: its text holds an unpaired surrogate (character "
+                                     f"{exc.start}), not valid Unicode text.") from None
                 texts.append(record["text"])
         elif path.suffix in (".txt", ""):
             texts = [line.rstrip("\n") for line in handle if line.strip()]

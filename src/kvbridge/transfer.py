@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -60,6 +60,33 @@ def _score_row(logprobs: torch.Tensor, continuation: list[int]) -> Score:
 
 
 @torch.no_grad()
+def check_text(text: Any, what: str) -> None:
+    """Refuse what is not text a tokenizer can read: non-strings, and strings with undecodable bytes (a
+    command line or file read with ``surrogateescape`` keeps a non-UTF-8 byte as a lone surrogate)."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a string, not {type(text).__name__}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} is not valid UTF-8 text (an undecodable byte at character {exc.start}); "
+                         "pass UTF-8 text.") from None
+
+
+def check_generation(max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse generation settings transformers would reject deep inside ``generate`` (or silently misuse)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, not {max_new_tokens!r}.")
+    if kwargs.get("do_sample"):
+        temperature, top_p, top_k = kwargs.get("temperature"), kwargs.get("top_p"), kwargs.get("top_k")
+        if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+            raise InputError(f"temperature must be a number > 0 when sampling, not {temperature!r} "
+                             "(for greedy decoding, do not sample).")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise InputError(f"top_p must be in (0, 1], not {top_p!r}.")
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
+            raise InputError(f"top_k must be an integer >= 0, not {top_k!r}.")
+
+
 def score_plain(model, context: list[int], continuation: list[int]) -> Score:
     """``model`` scores ``continuation`` after ``context`` in one forward pass, no cache and no transfer."""
     device = next(model.parameters()).device
@@ -81,6 +108,17 @@ class Bridge:
                  allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
                  sink: bool | None = None, recompute_by: str | None = None):
         """``hold_back``, ``recompute``, ``recompute_by`` and ``sink`` default to the mapper's runtime options."""
+        for role, model in (("source", source), ("target", target)):
+            if not isinstance(model, LoadedModel):
+                raise InputError(f"{role} must be a model from kvbridge.models.load_model, not {type(model).__name__}; "
+                                 "or use Bridge.from_pretrained(source_id, target_id, mapper_id).")
+        if not isinstance(mapper, Mapper):
+            raise InputError(f"mapper must be a kvbridge.Mapper (Mapper.from_pretrained), not {type(mapper).__name__}.")
+        for name, value in (("hold_back", hold_back), ("chunk_tokens", chunk_tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InputError(f"{name} must be an integer, not {value!r}.")
+        if recompute is not None and (isinstance(recompute, bool) or not isinstance(recompute, (int, float))):
+            raise InputError(f"recompute must be a fraction in [0, 1], not {recompute!r}.")
         if chunk_tokens < 1:
             raise InputError("chunk_tokens must be >= 1.")
         self.chunk_tokens = chunk_tokens
@@ -110,8 +148,11 @@ class Bridge:
                         hold_back: int | None = None, allow_revision_mismatch: bool = False,
                         recompute: float | None = None, sink: bool | None = None,
                         recompute_by: str | None = None) -> "Bridge":
-        from .models import load_model, resolve_dtype
+        from .models import check_device, load_model, resolve_dtype
 
+        for flag, dev in (("--device", device), ("--mapper-device", mapper_device), ("--target-device", target_device)):
+            if dev is not None:
+                check_device(dev, flag)
         torch_dtype = resolve_dtype(dtype, device)
         m = Mapper.from_pretrained(mapper, revision=mapper_revision, device=mapper_device or device, dtype=torch_dtype)
         s = load_model(source, source_revision, device, torch_dtype)
@@ -124,13 +165,16 @@ class Bridge:
         """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InputError(f"prompts must be a string or a list of strings, not {type(prompts).__name__}.")
         if not prompts:
             raise InputError("no prompt given.")
         rows = []
         for i, prompt in enumerate(prompts):
-            if not prompt or not prompt.strip():
+            check_text(prompt, f"prompt {i}")
+            if not prompt.strip():
                 raise InputError(f"prompt {i} is empty; give the context to prefill.")
-            rows.append(self.tokenizer(prompt)["input_ids"])
+            rows.append(self.tokenizer(prompt, verbose=False)["input_ids"])  # length is checked below, in one line
         return self.pad(rows, max_new_tokens)
 
     @property
@@ -293,6 +337,7 @@ class Bridge:
         stop_strings with tokenizer, …). The prefix cache covers all but the held-back tokens, and
         ``generate`` feeds exactly the columns it does not cover.
         """
+        check_generation(max_new_tokens, generate_kwargs)
         model, cache = self.prefix_cache(mode, ids, mask)
         device = next(model.parameters()).device
         generate_kwargs.setdefault("do_sample", False)
@@ -325,6 +370,8 @@ class Bridge:
         """
         if len(contexts) != len(continuations):
             raise InputError("contexts and continuations must have the same length.")
+        if not contexts:
+            raise InputError("no contexts given; nothing to score.")
         if any(len(c) == 0 for c in continuations):
             raise InputError("a continuation is empty; nothing to score.")
         self._check_ids(continuations, "continuation")
@@ -353,6 +400,9 @@ class Bridge:
 
     def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[Score]:
         """Text version of :meth:`score_ids`: the context is encoded with special tokens, the continuation without."""
-        ctx = [self.tokenizer(c)["input_ids"] for c in contexts]
-        cont = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
+        for what, texts in (("context", contexts), ("continuation", continuations)):
+            for i, text in enumerate(texts):
+                check_text(text, f"{what} {i}")
+        ctx = [self.tokenizer(c, verbose=False)["input_ids"] for c in contexts]
+        cont = [self.tokenizer(c, add_special_tokens=False, verbose=False)["input_ids"] for c in continuations]
         return self.score_ids(ctx, cont, mode)
