@@ -26,7 +26,8 @@ def test_prefill_flops_match_a_hand_count():
     assert prefill_flops(cfg, t, logits_tokens=1) == q + k + v + o + mlp + attn + logits
     assert prefill_flops(cfg, t, logits_tokens=0) == q + k + v + o + mlp + attn
     # two layers double the per-layer work
-    assert prefill_flops(SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 2}), t, 0) == 2 * (q + k + v + o + mlp + attn)
+    assert (prefill_flops(SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 2}), t, 0)
+            == 2 * (q + k + v + o + mlp + attn))
 
 
 def test_map_flops_match_a_hand_count():
@@ -96,7 +97,8 @@ def test_real_geometry_matches_the_published_artifact():
         data = json.loads((CONFIGS / f"{name}.json").read_text())
         configs[name] = Ministral3Config(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
     small, large = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
-    assert (small.num_hidden_layers, small.hidden_size, large.num_hidden_layers, large.hidden_size) == (26, 3072, 34, 4096)
+    assert ((small.num_hidden_layers, small.hidden_size, large.num_hidden_layers, large.hidden_size)
+            == (26, 3072, 34, 4096))
     rope = RopeSpec("ministral3", "yarn", 128)
     src = ModelInfo("3b", None, "M", 26, 8, 128, 262144, rope, "t")
     tgt = ModelInfo("8b", None, "M", 34, 8, 128, 262144, rope, "t")

@@ -108,3 +108,25 @@ def test_push_fails_in_one_line_where_the_hub_cannot_be_used(artifact, tmp_path,
     run = _push([str(folder), "--repo-id", repo], env, tmp_path)
     assert run.returncode == 1 and needle in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) <= 2
+
+
+def test_card_refuses_unrenderable_inputs_and_writes_nothing(artifact, tmp_path, capsys):
+    import shutil
+
+    from test_reliability import _edit, _set
+
+    _, _, out = artifact
+    folder = tmp_path / "m"
+    shutil.copytree(out, folder)
+    for name in ("README.md", "artifact_manifest.json", "example.py"):
+        (folder / name).unlink(missing_ok=True)
+    demo = tmp_path / "demo.json"
+    demo.write_text(json.dumps({"retention": {}, "latency": []}))
+    assert main(["card", str(folder), "--demo", str(demo)]) == 1
+    demo.write_text(json.dumps({"retention": {"256": {"recommended": [{"task": "x"}]}}, "latency": [{}]}))
+    assert main(["card", str(folder), "--demo", str(demo)]) == 1
+    assert main(["card", str(folder), "--license", ""]) == 1
+    _edit(folder, _set(("fit", "key_r2_fit_mean"), "x"))  # resealed: verify passes, the card must not crash
+    assert main(["card", str(folder)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 3

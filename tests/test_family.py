@@ -99,7 +99,8 @@ def test_demo_quick_runs_to_the_end(tmp_path, capsys):
     assert len(figures["latency"]) == 2 and figures["latency"][0]["ttft_speedup"] > 0
     artifact = tmp_path / "mapper"
     assert main(["verify", str(artifact)]) == 0
-    # the demo's artifact leaves carded, as a release: six files, verify passes, example.py runs
+    # the demo's artifact leaves carded, as a release: the published card's six files (and the fit report),
+    # verify passes, example.py runs
     assert sorted(p.name for p in artifact.iterdir()) == sorted(
         ["mapper.safetensors", "mapper.json", "checksums.sha256", "fit_report.json", "README.md",
          "artifact_manifest.json", "example.py"])

@@ -71,7 +71,8 @@ def accumulate(planted, seeds, tokens=256, stride=1):
 def test_merge_of_halves_equals_one_pass():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1000, 12, generator=g, dtype=torch.float64) * 5 + 100  # offset: centering matters
-    y = x[:, :5] @ torch.randn(5, 7, generator=g, dtype=torch.float64) + torch.randn(1000, 7, generator=g, dtype=torch.float64)
+    y = (x[:, :5] @ torch.randn(5, 7, generator=g, dtype=torch.float64)
+         + torch.randn(1000, 7, generator=g, dtype=torch.float64))
     one = KVStats(12, 7)
     one.update(x, y)
     a, b = KVStats(12, 7), KVStats(12, 7)

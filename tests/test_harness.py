@@ -76,7 +76,8 @@ def test_identity_map_gives_identical_lm_eval_results(pair):
     results = run_lm_eval(bridge, TASKS, modes=("native", "mapped"), limit=8)
     native, mapped = results["native"]["results"], results["mapped"]["results"]
     for task in TASKS:
-        assert {k: v for k, v in native[task].items() if "," in k} == {k: v for k, v in mapped[task].items() if "," in k}
+        assert ({k: v for k, v in native[task].items() if "," in k}
+                == {k: v for k, v in mapped[task].items() if "," in k})
 
 
 def test_eval_command_writes_table_and_json(pair, fitted, tmp_path, capsys):
@@ -92,7 +93,8 @@ def test_diagnose_writes_plots_and_identity_cosine_is_one(pair, tmp_path):
     from kvbridge.diagnose import diagnose
 
     _, target = pair
-    report = diagnose(Bridge(target, target, Mapper.identity(target.info)), family.heldout_texts(), items=4, seq_len=128)
+    report = diagnose(Bridge(target, target, Mapper.identity(target.info)), family.heldout_texts(),
+                      items=4, seq_len=128)
     assert all(c == pytest.approx(1.0, abs=1e-5) for c in report["attention_cosine"])
     assert report["top1_agreement"] == 1.0 and abs(report["next_token_kl"]) < 1e-5
 

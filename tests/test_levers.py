@@ -91,7 +91,8 @@ def test_format_2_round_trip_and_version_1_files_load_as_before(tmp_path):
     data["format_version"] = 1
     del data["levers"]  # exactly what version-1 kvbridge wrote
     (folder / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
-    (folder / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n" for n in (CONFIG_FILE, WEIGHTS_FILE)))
+    (folder / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n"
+                                                 for n in (CONFIG_FILE, WEIGHTS_FILE)))
     old = Mapper.from_pretrained(str(folder))
     assert old.config.levers == ()
     keys, values = cache()

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from conftest import build_tokenizer, ministral3_config, save_model
 
 from kvbridge import Mapper, family
 from kvbridge.errors import InputError, NumericalError
@@ -13,8 +14,6 @@ from kvbridge.evaluate import TaskResult, chose_truth, retention_table
 from kvbridge.mapper import MapperConfig
 from kvbridge.models import load_model
 from kvbridge.transfer import Bridge
-
-from conftest import build_tokenizer, ministral3_config, save_model
 
 # (task, native %, mapped %, floor %) of the published card, its mean 78.73 % raw / 73.07 % floor-normalized
 CARD = [("arc_challenge", 60.15, 57.34, 25), ("hellaswag", 76.86, 74.13, 25), ("winogrande", 71.43, 67.01, 50),

@@ -2,9 +2,8 @@
 
 import json
 
-import torch
-
 import pytest
+import torch
 
 from kvbridge import Mapper, family
 from kvbridge.cli import main
@@ -48,7 +47,8 @@ def test_diagnose_oracle_writes_rows_and_plot(bridge, tmp_path, capsys):
                  "--oracle"]) == 0
     rows = json.loads((out / "diagnostics.json").read_text())["oracle"]["rows"]
     assert len(rows) == 1 + 4 * 3
-    assert {tuple(sorted(r)) for r in rows[1:]} == {("kind", "mean_floor_normalized_retention", "target_layer", "tasks")}
+    assert ({tuple(sorted(r)) for r in rows[1:]}
+            == {("kind", "mean_floor_normalized_retention", "target_layer", "tasks")})
     assert (out / "oracle.png").read_bytes()[:4] == b"\x89PNG"
     assert "Target layer made native" in capsys.readouterr().out
 

@@ -22,6 +22,7 @@ from kvbridge.artifact import (
     check_artifact,
     leftovers,
     read_checksums,
+    recover_interrupted_save,
     verify_artifact,
 )
 from kvbridge.cli import main
@@ -31,7 +32,8 @@ from kvbridge.stats import read_texts
 
 
 def _reseal(folder):
-    (folder / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n" for n in (CONFIG_FILE, WEIGHTS_FILE)))
+    (folder / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(folder / n)}  {n}\n"
+                                                 for n in (CONFIG_FILE, WEIGHTS_FILE)))
 
 
 def test_saving_never_replaces_a_folder_that_is_not_an_artifact(tmp_path):
@@ -272,8 +274,6 @@ def test_other_weights_in_the_same_folder_layout_are_refused(tiny_pair, tmp_path
     with pytest.raises(CompatibilityError, match="weights differ"):
         Bridge(reinit, reinit, mapper)
     Bridge(reinit, reinit, mapper, allow_revision_mismatch=True)  # the override, as for revisions
-    # the fingerprint does not depend on the dtype the model is loaded in
-    assert load_model(target_dir, dtype="bfloat16").info.weights_sha256 == original.info.weights_sha256
 
 
 # -- interrupted and concurrent saves -----------------------------------------------------------------
@@ -308,7 +308,6 @@ elif point == "removing-old":
     artifact._rename_exchange = lambda a, b: False
     real_rmtree = shutil.rmtree
     def half(path, *a, **k):
-        next(p for p in sorted(os.listdir(path))).__class__  # the folder exists
         os.remove(os.path.join(path, "mapper.safetensors"))
         die()
     shutil.rmtree = half
@@ -330,6 +329,11 @@ def test_a_save_killed_at_any_step_loses_nothing_and_the_next_save_cleans_up(tmp
         with pytest.raises(ArtifactError, match="interrupted save"):
             Mapper.from_pretrained(str(dest))
         assert main(["verify", str(dest)]) == 1
+        done = recover_interrupted_save(dest)  # the interrupted save's complete new artifact comes back
+        assert done[0].startswith("restored") and verify_artifact(dest) == []
+        assert torch.equal(Mapper.from_pretrained(str(dest)).weights["key.0.weight"],
+                           new_mapper.weights["key.0.weight"])
+        random_mapper(0).save_pretrained(tmp_path / ".m.old-zzzzzzzz")  # a leftover for the save below
     else:  # the old artifact, or the complete new one, is in place and verifies
         assert verify_artifact(dest) == []
         loaded = Mapper.from_pretrained(str(dest))
@@ -344,13 +348,56 @@ def test_a_save_killed_at_any_step_loses_nothing_and_the_next_save_cleans_up(tmp
                        random_mapper(2).weights["key.0.weight"])
 
 
-def test_a_missing_artifact_is_restored_from_a_complete_leftover(tmp_path):
-    from kvbridge.artifact import recover_interrupted_save
-
+def test_a_missing_artifact_is_restored_only_in_the_two_renames_state(tmp_path):
     dest = tmp_path / "m"
-    random_mapper(3).save_pretrained(tmp_path / ".m.tmp-abc")
-    assert recover_interrupted_save(dest) == ["restored " + str(dest) + " from .m.tmp-abc"]
+    random_mapper(3).save_pretrained(tmp_path / ".m.tmp-abcd1234")  # complete new artifact ...
+    assert recover_interrupted_save(dest) == ["removed .m.tmp-abcd1234"]  # ... alone: no evidence of a swap
+    assert not dest.exists()
+    random_mapper(3).save_pretrained(tmp_path / ".m.tmp-abcd1234")
+    random_mapper(4).save_pretrained(tmp_path / ".m.old-abcd5678")  # killed between the two renames
+    (tmp_path / ".m.tmp-half0000").mkdir()  # a save killed while writing: incomplete
+    done = recover_interrupted_save(dest)
+    assert done[0] == f"restored {dest} from .m.tmp-abcd1234" and len(done) == 3
     assert verify_artifact(dest) == [] and leftovers(dest) == []
+    assert torch.equal(Mapper.from_pretrained(str(dest)).weights["key.0.weight"],
+                       random_mapper(3).weights["key.0.weight"])
+
+
+def test_leftovers_match_exactly_their_folder(tmp_path):
+    for name in (".run[1].tmp-abcd1234", ".run1.tmp-abcd1234", ".run[1].tmp-x", ".run[1].tmp.tmp-abcd1234"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in leftovers(tmp_path / "run[1]")] == [".run[1].tmp-abcd1234"]
+
+
+def test_rename_exchange_swaps_two_folders(tmp_path):
+    from kvbridge.artifact import _rename_exchange
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b" / "x").write_text("b")
+    if not _rename_exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no rename-exchange on this platform or filesystem (saves use two renames)")
+    assert (tmp_path / "a" / "x").read_text() == "b" and (tmp_path / "b" / "x").read_text() == "a"
+
+
+def test_saving_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    random_mapper(0).save_pretrained(tmp_path / "link")
+    random_mapper(1).save_pretrained(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and verify_artifact(tmp_path / "real") == []
+    assert torch.equal(Mapper.from_pretrained(str(tmp_path / "link")).weights["key.0.weight"],
+                       random_mapper(1).weights["key.0.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_an_artifact_folder_with_other_files_is_not_replaced(tmp_path):
+    random_mapper(0).save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / ".gitattributes").write_text("*.safetensors filter=lfs")
+    with pytest.raises(ArtifactError, match=r"also holds \.gitattributes"):
+        random_mapper(1).save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m" / ".gitattributes").exists()
 
 
 def test_concurrent_saves_to_one_folder_queue_and_one_wins(tmp_path):
@@ -402,7 +449,7 @@ def test_output_paths_are_checked_before_the_work(fitted, tmp_path, capsys):
     pair = ["--source", source, "--target", target]
     _fails(["fit", *pair, "--texts", texts, "--out", str(a_file / "m"), *FAST], capsys, "is a file")
     _fails(["fit", *pair, "--texts", texts, "--out", "/proc/kvbridge-test", *FAST], capsys, "cannot write")
-    _fails(["fit", *pair, "--texts", texts, "--out", ".", *FAST], capsys, "not a kvbridge artifact")
+    _fails(["fit", *pair, "--texts", texts, "--out", ".", *FAST], capsys, "names no folder")
     _fails(["bench", *pair, "--mapper", str(mapper), "--json", str(tmp_path)], capsys, "is a folder")
     _fails(["bench", *pair, "--mapper", str(mapper), "--plot", str(a_file / "p.png")], capsys, "is a file")
     _fails(["diagnose", *pair, "--mapper", str(mapper), "--texts", texts, "--out", str(a_file)], capsys, "is a file")
@@ -495,7 +542,8 @@ def test_bad_python_inputs_raise_kvbridge_errors(fitted):
 
     source, target, _, mapper = fitted
     bridge = Bridge.from_pretrained(source, target, str(mapper))
-    for call in (lambda: bridge.generate([]), lambda: bridge.generate(""), lambda: bridge.generate("x", max_new_tokens=0),
+    for call in (lambda: bridge.generate([]), lambda: bridge.generate(""),
+                 lambda: bridge.generate("x", max_new_tokens=0),
                  lambda: bridge.generate("def f", do_sample=True, temperature=0.0),
                  lambda: bridge.generate("def f", max_new_tokens=2.5), lambda: bridge.score([], []),
                  lambda: bridge.score(["a"], []), lambda: bridge.score(["def f"], [""]),
@@ -506,6 +554,16 @@ def test_bad_python_inputs_raise_kvbridge_errors(fitted):
                  lambda: Mapper.from_pretrained(None), lambda: Mapper.from_pretrained(123),
                  lambda: Bridge(None, bridge.target, bridge.mapper), lambda: Bridge(bridge.source, bridge.target, None),
                  lambda: Bridge(bridge.source, bridge.target, bridge.mapper, hold_back="4"),
-                 lambda: Bridge(bridge.source, bridge.target, bridge.mapper, recompute="x")):
+                 lambda: Bridge(bridge.source, bridge.target, bridge.mapper, recompute="x"),
+                 lambda: Bridge(bridge.source, bridge.target, bridge.mapper, sink="yes"),
+                 lambda: bridge.generate("def f", max_new_tokens="3"), lambda: bridge.generate("def f", bogus_kwarg=1),
+                 lambda: bridge.score_ids([[1.5, 2]], [[2]]), lambda: bridge.encode("def f", max_new_tokens=-1),
+                 lambda: bridge.generate_ids(torch.ones(1, 4), torch.ones(1, 4)),
+                 lambda: bridge.generate_ids(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 3)),
+                 lambda: bridge.generate_ids(torch.full((1, 4), 10**6), torch.ones(1, 4)),
+                 lambda: bridge.first_token_logits([[1, 2, 3]], [[1, 1, 1]]),
+                 lambda: bridge.mapper.map([], []), lambda: bridge.mapper.map(None, None),
+                 lambda: bridge.mapper.map([torch.zeros(1, 2, 3, 4)], [torch.zeros(1, 2, 3, 4)]),
+                 lambda: bridge.mapper.save_pretrained(None)):
         with pytest.raises(KVBridgeError):
             call()

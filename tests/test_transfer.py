@@ -134,3 +134,18 @@ def test_scoring_at_the_position_limit(identity_bridge):
         identity_bridge.score_ids([ctx + [6]], [cont], mode="mapped")
     with pytest.raises(InputError, match="vocabulary"):
         identity_bridge.score_ids([[1, 2, 10**6]], [cont], mode="mapped")
+
+
+def test_scoring_builds_no_autograd_graph():
+    """Models are loaded with gradients on: every scoring path must run under no_grad (memory, not values)."""
+    from kvbridge import family
+    from kvbridge.transfer import score_plain
+
+    _, target = family.load_family()
+    seen = []
+    hook = target.model.register_forward_hook(lambda module, args, out: seen.append(torch.is_grad_enabled()))
+    try:
+        score_plain(target.model, [1, 5, 9, 12], [7, 3])
+    finally:
+        hook.remove()
+    assert seen == [False]

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -38,7 +39,7 @@ from .hashing import sha256_file
 from .hub import snapshot
 from .mapper import INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions, keeps_dtype
 from .models import ModelInfo, check_device
-from .outputs import umask
+from .outputs import check_output_dir, umask
 
 FORMAT = "kvbridge-mapper"
 FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs) and "runtime"; version-1 files read as plain maps
@@ -48,6 +49,8 @@ CHECKSUMS_FILE = "checksums.sha256"
 RUN_REPORT_FILE = "fit_report.json"  # volatile measurements of the fit: not part of the artifact's identity
 ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
 DOWNLOAD_FILES = [*ARTIFACT_FILES, RUN_REPORT_FILE]
+CARD_FILES = ("README.md", "artifact_manifest.json", "example.py")  # written by `kvbridge card` (kvbridge.card)
+KNOWN_FILES = frozenset([*DOWNLOAD_FILES, *CARD_FILES])
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
     "KV heads concatenated head-major (feature h*head_dim + d); x = selected source layers concatenated in "
@@ -89,7 +92,8 @@ def config_from_json(data: Any) -> MapperConfig:
             runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
         )
     except (KeyError, TypeError, ValueError) as exc:  # _validate should have named it: a last line of defence
-        raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); re-download or refit the mapper.") from None
+        raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); "
+                            "re-download or refit the mapper.") from None
 
 
 # -- mapper.json validation: every field's type and range, checked before any object is built --------
@@ -182,82 +186,131 @@ def is_artifact_dir(directory: Path) -> bool:
     """Whether ``directory`` holds a kvbridge mapper (its mapper.json says so), whatever state its files are in."""
     try:
         return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
-def check_writable_artifact_dir(directory: Path) -> None:
-    """Refuse to replace anything but an absent or empty folder or an earlier kvbridge artifact.
+def _artifact_path(directory: str | Path) -> Path:
+    """The absolute destination (symlinks resolved: a save replaces the folder a link points to, not the link)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ArtifactError(f"an artifact folder is a path, not {type(directory).__name__}.")
+    path = Path(directory).expanduser()
+    resolved = path.resolve()
+    if not path.name or path.name in (".", "..") or resolved == resolved.parent:
+        raise ArtifactError(f"--out {directory} names no folder of its own (it resolves to {resolved}); give the "
+                            "artifact folder's name, e.g. --out mappers/my-mapper.")
+    return resolved
 
-    Saving replaces the whole folder: a results folder or a model folder given as ``--out`` would be lost.
+
+def check_writable_artifact_dir(directory: str | Path) -> None:
+    """Refuse to replace anything but an absent or empty folder or an earlier kvbridge artifact with only its
+    own files; and a place where the swap could not be done (the parent folder must be writable).
+
+    Saving replaces the whole folder: a results folder, a model folder or a git clone given as ``--out``
+    would be lost.
     """
+    directory = _artifact_path(directory)
     if directory.exists() and not directory.is_dir():
         raise ArtifactError(f"{directory} exists and is not a folder; choose another --out.")
-    if directory.is_dir() and any(directory.iterdir()) and not is_artifact_dir(directory):
-        raise ArtifactError(f"{directory} is a folder with other files, not a kvbridge artifact; writing the mapper "
-                            "would replace it. Choose a new or empty folder for --out.")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not is_artifact_dir(directory):
+            raise ArtifactError(f"{directory} is a folder with other files, not a kvbridge artifact; writing the "
+                                "mapper would replace it. Choose a new or empty folder for --out.")
+        extra = sorted(p.name for p in directory.iterdir() if p.name not in KNOWN_FILES)
+        if extra:
+            raise ArtifactError(f"{directory} is a kvbridge artifact but also holds {', '.join(extra[:5])}; writing "
+                                "the mapper would delete them. Move them away, or choose another --out.")
+    check_output_dir(directory.parent, "--out's parent folder")  # the new folder is made and swapped in there
 
 
 def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
     """Write the artifact atomically; an existing folder at ``directory`` is replaced only on success.
 
-    Saves to one folder queue on a lock of its parent folder (POSIX), so concurrent saves never
-    interleave: the last one wins. Leftovers of a save that was killed are restored or removed first.
+    Saves to one folder queue on a lock of its parent folder (POSIX, where the filesystem has locks),
+    so concurrent saves never interleave: the last one wins. Under that lock, leftovers of a save that
+    was killed are restored or removed first.
     """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
+    directory = _artifact_path(directory)
     check_writable_artifact_dir(directory)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
+        with _parent_lock(directory.parent) as locked:
+            if locked:  # without a lock a leftover may be a live save's: leave it
+                recover_interrupted_save(directory)
+            check_writable_artifact_dir(directory)  # again: another process may have written it meanwhile
+            tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+            try:
+                _write_files(mapper, tmp)
+                _swap_in(tmp, directory)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     except OSError as exc:
-        raise ArtifactError(f"cannot create the folder {directory.parent} ({exc.strerror}); choose another place.") from None
-    with _parent_lock(directory.parent):
-        recover_interrupted_save(directory)
-        check_writable_artifact_dir(directory)  # again: another process may have written it meanwhile
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
-            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; an artifact folder follows the umask
-            tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
-                       for name, t in mapper.weights.items()}
-            # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
-            with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
-                json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
-                handle.write("\n")
-            lines = [f"{sha256_file(tmp / name)}  {name}\n" for name in (CONFIG_FILE, WEIGHTS_FILE)]
-            (tmp / CHECKSUMS_FILE).write_text("".join(lines), encoding="utf-8")
-            written = list(ARTIFACT_FILES)
-            if mapper.run_report:
-                (tmp / RUN_REPORT_FILE).write_text(json.dumps(mapper.run_report, indent=2) + "\n", encoding="utf-8")
-                written.append(RUN_REPORT_FILE)
-            for name in written:
-                os.chmod(tmp / name, 0o666 & ~umask())  # safetensors writes 0600
-                with open(tmp / name, "rb") as handle:
-                    os.fsync(handle.fileno())
-            _swap_in(tmp, directory)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ArtifactError(f"cannot write the artifact to {directory} ({exc.strerror or exc}); nothing was "
-                                "changed there. Check the disk space and permissions, or choose another folder.") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        raise ArtifactError(f"cannot write the artifact to {directory} ({exc.strerror or exc}); nothing was "
+                            "changed there. Check the disk space and permissions, or choose another folder.") from None
     return directory
+
+
+def _write_files(mapper: Mapper, tmp: Path) -> None:
+    from safetensors.torch import save_file
+
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; an artifact folder follows the umask
+    tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
+               for name, t in mapper.weights.items()}
+    # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
+    with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
+        json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
+        handle.write("\n")
+    lines = [f"{sha256_file(tmp / name)}  {name}\n" for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    (tmp / CHECKSUMS_FILE).write_text("".join(lines), encoding="utf-8")
+    written = list(ARTIFACT_FILES)
+    if mapper.run_report:
+        (tmp / RUN_REPORT_FILE).write_text(json.dumps(mapper.run_report, indent=2) + "\n", encoding="utf-8")
+        written.append(RUN_REPORT_FILE)
+    for name in written:
+        os.chmod(tmp / name, 0o666 & ~umask())  # safetensors writes 0600
+        with open(tmp / name, "rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a folder's entries durable (POSIX); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def _parent_lock(parent: Path):
-    """An exclusive advisory lock on ``parent`` (flock on the folder itself: no lock file left behind)."""
+    """An exclusive advisory lock on ``parent`` (flock on the folder itself: no lock file left behind).
+
+    Yields whether the lock is held: not on Windows, nor on filesystems without flock on folders (some
+    NFS and Lustre mounts), where saves stay atomic but concurrent saves are not queued.
+    """
     try:
         import fcntl
-    except ImportError:  # Windows: no advisory locks here; saves still never leave a half-written artifact
-        yield
+    except ImportError:
+        yield False
         return
     fd = os.open(parent, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError as exc:
+            if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            locked = False
+        yield locked
     finally:
         os.close(fd)  # releases the lock
 
@@ -271,6 +324,7 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):  # libc older than glibc 2.28
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
     at_fdcwd, rename_exchange = -100, 2
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
@@ -284,44 +338,52 @@ def _swap_in(new: Path, dest: Path) -> None:
     """Make ``new`` the folder at ``dest`` in one step; the old ``dest`` (if any) is removed afterwards."""
     if not dest.exists():
         os.rename(new, dest)
-        return
-    if _rename_exchange(new, dest):  # dest holds the new artifact, `new` the old one
+    elif _rename_exchange(new, dest):  # dest holds the new artifact, `new` the old one
+        _fsync_dir(dest.parent)
         shutil.rmtree(new, ignore_errors=True)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-    os.rmdir(old)
-    os.rename(dest, old)  # a kill between these two renames leaves no `dest`: the next save restores it
-    os.rename(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.rmdir(old)
+        os.rename(dest, old)  # a kill between these two renames leaves no `dest`: the next save restores it
+        os.rename(new, dest)
+        _fsync_dir(dest.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(dest.parent)
 
 
 def leftovers(directory: str | Path) -> list[Path]:
-    """Folders an interrupted save of ``directory`` left beside it (``.NAME.tmp-*``, ``.NAME.old-*``)."""
-    directory = Path(directory)
+    """What an interrupted save of ``directory`` left beside it: ``.NAME.tmp-XXXXXXXX`` and ``.NAME.old-XXXXXXXX``
+    (the suffix ``tempfile.mkdtemp`` makes), nothing else."""
+    directory = Path(directory).expanduser().absolute()
     if not directory.parent.is_dir():
         return []
-    return sorted(p for pattern in (f".{directory.name}.tmp-*", f".{directory.name}.old-*")
-                  for p in directory.parent.glob(pattern) if p.is_dir())
+    pattern = re.compile(rf"\.{re.escape(directory.name)}\.(tmp|old)-[a-z0-9_]{{8}}")
+    return sorted(p for p in directory.parent.iterdir() if pattern.fullmatch(p.name))
 
 
 def recover_interrupted_save(directory: str | Path) -> list[str]:
-    """Repair what a killed save left: restore a complete artifact if ``directory`` is missing, remove the rest.
+    """Repair what a killed save left: restore the artifact if ``directory`` is missing, remove the rest.
 
-    Call with the parent's lock held (``save_mapper`` does), so no leftover belongs to a live save.
-    Returns what was done, one line each.
+    ``directory`` is missing only when a save without rename-exchange was killed between its two
+    renames: then an ``.old-`` folder holds the previous artifact and a complete ``.tmp-`` folder the
+    new one, which is restored (else the old one). Call with the parent's lock held (``save_mapper``
+    does), so no leftover belongs to a live save. Returns what was done, one line each.
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser().absolute()
     done = []
     found = leftovers(directory)
-    if not directory.exists():
-        complete = [p for p in found if not verify_artifact(p)]
-        complete.sort(key=lambda p: (".tmp-" not in p.name, -p.stat().st_mtime))  # the newer save's first
+    if not directory.exists() and any(".old-" in p.name for p in found):
+        complete = [p for p in found if not p.is_symlink() and p.is_dir() and not verify_artifact(p)]
+        complete.sort(key=lambda p: ".tmp-" not in p.name)  # the interrupted save's new artifact first
         if complete:
             os.rename(complete[0], directory)
             found.remove(complete[0])
             done.append(f"restored {directory} from {complete[0].name}")
     for p in found:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
         done.append(f"removed {p.name}")
     return done
 
@@ -332,9 +394,10 @@ def _missing_hint(path_or_repo_id: str | Path) -> None:
     if not path.exists():
         found = leftovers(path)
         if found:
-            raise ArtifactError(f"{path} does not exist, but an interrupted save left {', '.join(p.name for p in found)} "
-                                f"beside it. Saving the mapper there again restores or removes them; or rename the "
-                                "one that passes `kvbridge verify` to the folder's name.")
+            raise ArtifactError(f"{path} does not exist, but an interrupted save left "
+                                f"{', '.join(p.name for p in found)} beside it. Saving the mapper there again "
+                                "restores or removes them; or rename the one that passes `kvbridge verify` to the "
+                                "folder's name.")
 
 
 def read_checksums(directory: Path) -> dict[str, str]:

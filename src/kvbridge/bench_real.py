@@ -106,9 +106,11 @@ def plan_table() -> str:
     for name in ("ministral3-3b-text", "ministral3-8b-text"):
         data = json.loads((CONFIGS / f"{name}.json").read_text())
         config = Ministral3Config(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
-        rope = RopeSpec("ministral3", config.rope_parameters["rope_type"], config.head_dim, dict(config.rope_parameters))
-        infos[name] = ModelInfo(name, None, "Ministral3ForCausalLM", config.num_hidden_layers, config.num_key_value_heads,
-                                config.head_dim, config.max_position_embeddings, rope, "plan")
+        rope = RopeSpec("ministral3", config.rope_parameters["rope_type"], config.head_dim,
+                        dict(config.rope_parameters))
+        infos[name] = ModelInfo(name, None, "Ministral3ForCausalLM", config.num_hidden_layers,
+                                config.num_key_value_heads, config.head_dim, config.max_position_embeddings, rope,
+                                "plan")
         configs[name] = config
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
     per_token_8b = prefill_flops(configs["ministral3-8b-text"], 1, 0)
@@ -135,7 +137,8 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", default="64,512,1024,2048,4096,8192,16384")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--chunk-tokens", type=int, default=4096, help="tokens mapped per GEMM (bounds transient memory)")
+    parser.add_argument("--chunk-tokens", type=int, default=4096,
+                        help="tokens mapped per GEMM (bounds transient memory)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models of the same structure (smoke test)")
     parser.add_argument("--levers", action="store_true",

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import __version__
 from .artifact import (
+    CARD_FILES,
     CHECKSUMS_FILE,
     CONFIG_FILE,
     RUN_REPORT_FILE,
@@ -33,13 +34,11 @@ from .artifact import (
 )
 from .errors import ArtifactError, InputError, KVBridgeError
 from .hashing import sha256_file
+from .hub import is_hub_id
 from .mapper import MapperConfig
 from .outputs import write_text
 
-CARD_FILE = "README.md"
-MANIFEST_FILE = "artifact_manifest.json"
-EXAMPLE_FILE = "example.py"
-CARD_FILES = (CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE)
+CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE = CARD_FILES
 MANIFEST_FORMAT = "kvbridge-artifact-manifest"
 
 
@@ -71,6 +70,8 @@ def read_bench(path: str | Path) -> dict:
         rows = [BenchRow(**row) for row in data["rows"]]
     except (KeyError, TypeError) as exc:
         raise InputError(f"--bench {path} is not a `kvbridge bench --json` file ({exc!r}).") from None
+    if not rows:
+        raise InputError(f"--bench {path} holds no rows.")
     return {"device": str(data.get("device", "not recorded")), "rows": rows}
 
 
@@ -84,16 +85,14 @@ def read_frontier(folder: str | Path) -> dict:
 
 def read_demo(path: str | Path) -> dict:
     data = _read_json(path, "--demo")
-    if not isinstance(data, dict) or "retention" not in data or "latency" not in data:
-        raise InputError(f"--demo {path} is not the demo.json `kvbridge demo --out` wrote.")
+    if not isinstance(data, dict) or not isinstance(data.get("retention"), dict) or not data["retention"] \
+            or not isinstance(data.get("latency"), list) or not data["latency"]:
+        raise InputError(f"--demo {path} is not the demo.json `kvbridge demo --out` wrote (it needs retention and "
+                         "latency figures).")
     return data
 
 
 # -- rendering ------------------------------------------------------------------------------------
-def _is_hub_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
-
-
 def _family_role(name: str) -> str | None:
     """'source'/'target' when ``name`` is the embedded family's checkpoint, else None."""
     from . import family
@@ -126,35 +125,37 @@ def _pair_table(config: MapperConfig) -> str:
 
 def _fit_section(config: MapperConfig, run: dict) -> str:
     f = config.fit
-    s = f.get("settings", {})
+    s = f.get("settings") if isinstance(f.get("settings"), dict) else {}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     lines = ["| Setting | Value |", "|---|---|"]
     for key, label in (("num_texts", "calibration sequences"), ("seq_len", "tokens per sequence"),
                        ("stride", "observation stride"), ("top_k", "source layers per target layer"),
                        ("ridge", "ridge (relative)")):
         if key in s:
             lines.append(f"| {label} | {s[key]} |")
-    if "observations" in f:
+    if number(f.get("observations")):
         lines.append(f"| observations | {f['observations']:,} |")
     if "calibration_sha256" in f:
         lines.append(f"| calibration texts SHA-256 | `{f['calibration_sha256']}` |")
     levers = "; ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
-                       + (f", residual MLP {v.hidden}" if v.hidden else "") for v in config.levers) or "none (plain map)"
+                       + (f", residual MLP {v.hidden}" if v.hidden else "")
+                       for v in config.levers) or "none (plain map)"
     lines.append(f"| levers | {levers} |")
     r = config.runtime
     lines.append(f"| runtime | hold-back {r.hold_back} tokens, recompute {r.recompute:g} (by {r.recompute_by}), "
                  f"sink {'on' if r.sink else 'off'} |")
     for kind in ("key", "value"):
         fit_r2, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
-        if fit_r2 is not None:
+        if number(fit_r2):
             lines.append(f"| {kind} R² (mean over target layers) | fit {fit_r2:.4f}"
-                         + (f", held-out {held:.4f} |" if held is not None else " |"))
+                         + (f", held-out {held:.4f} |" if number(held) else " |"))
     if run.get("fit_seconds") is not None:
         lines.append(f"| fit time | {run['fit_seconds']:.1f} s on {f.get('device', 'an unrecorded device')} "
                      f"({run.get('torch_threads', '?')} torch threads) |")
         lines.append(f"| fit peak memory | {run.get('peak_memory_bytes', 0) / 2**30:.2f} GiB "
                      f"({run.get('peak_memory_kind', 'kind not recorded')}) |")
     else:
-        lines.append(f"| fit time and memory | not recorded ({RUN_REPORT_FILE} is absent) |")
+        lines.append(f"| fit time and memory | not recorded ({RUN_REPORT_FILE} is absent or unreadable) |")
     return "\n".join(lines)
 
 
@@ -194,7 +195,8 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
             for r in rows:
                 p = plain.get(r["task"])
                 lines.append(f"| {r['task']} | {r['metric']} | {fmt(r, r['native'])} | {fmt(r, r['source'])} | "
-                             f"{fmt(r, r['floor'])} | {fmt(r, r['mapped'])} | {_pct(r['floor_normalized_retention'])} | "
+                             f"{fmt(r, r['floor'])} | {fmt(r, r['mapped'])} | "
+                             f"{_pct(r['floor_normalized_retention'])} | "
                              + (f"{_pct(p['floor_normalized_retention'])} |" if p else "n/a |"))
             mean = mean_retention(as_results(rows))
             lines.append(f"| **Mean** | | | | | | **{_pct(mean)}** | "
@@ -212,7 +214,8 @@ def _latency_section(bench: dict | None, demo: dict | None) -> tuple[str, dict |
     from .bench import BenchRow, bench_table
 
     if bench is None and demo is not None:
-        bench = {"device": f"CPU ({demo.get('threads', '?')} threads)", "rows": [BenchRow(**r) for r in demo["latency"]]}
+        bench = {"device": f"CPU ({demo.get('threads', '?')} threads)",
+                 "rows": [BenchRow(**r) for r in demo["latency"]]}
     if bench is None:
         return ("Not measured. Run `kvbridge bench --source S --target T --mapper THIS_FOLDER --json BENCH.json` "
                 "and then `kvbridge card THIS_FOLDER --bench BENCH.json`.", None)
@@ -234,19 +237,22 @@ def _frontier_section(frontier: dict | None) -> tuple[str, dict | None]:
 
 
 def _usage(config: MapperConfig, mapper_ref: str) -> str:
+    import shlex
+
     s, t = config.source, config.target
     rev = lambda m, flag: f" --{flag}-revision {m.revision}" if m.revision else ""  # noqa: E731
+    q = shlex.quote
     return f"""```bash
 pip install kvbridge
-kvbridge generate --source {s.name_or_path}{rev(s, 'source')} --target {t.name_or_path}{rev(t, 'target')} \\
-    --mapper {mapper_ref} --prompt "..." --compare
+kvbridge generate --source {q(s.name_or_path)}{rev(s, 'source')} --target {q(t.name_or_path)}{rev(t, 'target')} \\
+    --mapper {q(mapper_ref)} --prompt "..." --compare
 ```
 
 ```python
 import torch
 from kvbridge import Bridge
 
-bridge = Bridge.from_pretrained("{s.name_or_path}", "{t.name_or_path}", "{mapper_ref}",
+bridge = Bridge.from_pretrained({s.name_or_path!r}, {t.name_or_path!r}, {mapper_ref!r},
                                 source_revision={s.revision!r}, target_revision={t.revision!r},
                                 device="cuda" if torch.cuda.is_available() else "cpu")
 print(bridge.generate(["..."], max_new_tokens=32).texts[0])
@@ -260,7 +266,7 @@ def card_text(config: MapperConfig, run: dict, files: list[dict], retention: str
               mapper_ref: str, license_id: str) -> str:
     from huggingface_hub import ModelCardData
 
-    base = [m.name_or_path for m in (config.source, config.target) if _is_hub_id(m.name_or_path)]
+    base = [m.name_or_path for m in (config.source, config.target) if is_hub_id(m.name_or_path)]
     data = ModelCardData(library_name="kvbridge", license=license_id, base_model=base or None,
                          tags=["kvbridge", "kv-cache", "kv-cache-transfer", "prefill-reuse"])
     s, t = config.source.name_or_path, config.target.name_or_path
@@ -366,6 +372,13 @@ for mode in ("native", "mapped"):
 '''
 
 
+def _text_entry(name: str, text: str) -> dict:
+    from .hashing import sha256_bytes
+
+    data = text.encode("utf-8")
+    return {"name": name, "bytes": len(data), "sha256": sha256_bytes(data), "in_checksums": False}
+
+
 def _file_entry(folder: Path, name: str, in_checksums: bool) -> dict:
     path = folder / name
     return {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "in_checksums": in_checksums}
@@ -383,6 +396,8 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
     folder = Path(artifact)
     if not folder.is_dir():
         raise InputError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
+    if not isinstance(license_id, str) or not license_id.strip():
+        raise InputError("--license must name a license (e.g. mit, apache-2.0, other).")
     problems = check_artifact(folder)
     if problems:
         raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was written. "
@@ -393,17 +408,28 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
     frontier = read_frontier(frontier_dir) if frontier_dir else None
     demo = demo if demo is not None else (read_demo(demo_json) if demo_json else None)
 
-    retention, retention_summary = _retention_section(eval_data, demo)
-    latency, latency_summary = _latency_section(bench, demo)
-    frontier_md, frontier_summary = _frontier_section(frontier)
+    run = {k: v for k, v in run.items() if isinstance(v, (int, float, str))}  # unverified file: numbers or text
+    if not isinstance(run.get("fit_seconds"), (int, float)) or not isinstance(run.get("peak_memory_bytes", 0),
+                                                                               (int, float)):
+        run = {}
+    sections = []
+    for what, render in (("--eval/--demo", lambda: _retention_section(eval_data, demo)),
+                         ("--bench/--demo", lambda: _latency_section(bench, demo)),
+                         ("--frontier", lambda: _frontier_section(frontier))):
+        try:
+            sections.append(render())
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            raise InputError(f"{what}: a result file lacks what the card needs ({type(exc).__name__}: {exc}); give "
+                             "files written by this kvbridge's commands. Nothing was written.") from None
+    (retention, retention_summary), (latency, latency_summary), (frontier_md, frontier_summary) = sections
     files = [_file_entry(folder, n, True) for n in (WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE)]
     if (folder / RUN_REPORT_FILE).is_file():
         files.append(_file_entry(folder, RUN_REPORT_FILE, False))
-    write_text(folder / EXAMPLE_FILE, example_text(config))
-    files.append(_file_entry(folder, EXAMPLE_FILE, False))
+    # everything is rendered before anything is written: a failure leaves the folder as it was
+    example = example_text(config)
+    files.append(_text_entry(EXAMPLE_FILE, example))
     card = card_text(config, run, files, retention, latency, frontier_md, repo_id or str(folder), license_id)
-    write_text(folder / CARD_FILE, card)
-    files.append(_file_entry(folder, CARD_FILE, False))
+    files.append(_text_entry(CARD_FILE, card))
     meta = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -424,5 +450,7 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
         "latency": latency_summary,
         "frontier": frontier_summary,
     }
-    write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+    manifest_text = json.dumps(manifest, indent=2) + "\n"
+    for name, text in ((EXAMPLE_FILE, example), (CARD_FILE, card), (MANIFEST_FILE, manifest_text)):
+        write_text(folder / name, text)
     return [folder / name for name in CARD_FILES]

@@ -62,7 +62,8 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lever-layers", type=_int_list, default=None,
                    help="target layers that get levers (default: the --lever-count layers with the lowest fit R²)")
     g.add_argument("--lever-count", type=int, default=d.lever_count,
-                   help=f"how many target layers get levers when --lever-layers is not given (default: {d.lever_count})")
+                   help=f"how many target layers get levers when --lever-layers is not given "
+                        f"(default: {d.lever_count})")
     g.add_argument("--lever-stride", type=int, default=d.lever_stride,
                    help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
     g.add_argument("--lever-top-k", type=int, default=d.lever_top_k,
@@ -154,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
     gen.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
 
-    demo = sub.add_parser("demo", help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
+    demo = sub.add_parser("demo",
+                          help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
                           description="Runs offline on the two small models shipped with kvbridge: fits a mapper on "
                                       "their calibration split, saves and verifies it, compares native and mapped "
                                       "continuations on held-out prompts, then prints the retention table (perplexity, "
@@ -189,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
                            epilog=EPILOG)
     _add_pair(bench)
     _add_mapper(bench)
-    bench.add_argument("--contexts", default="64,512,1024", help="comma-separated context lengths (default: 64,512,1024)")
+    bench.add_argument("--contexts", default="64,512,1024",
+                       help="comma-separated context lengths (default: 64,512,1024)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
     bench.add_argument("--trials", type=int, default=7, help="timed runs; the median is reported (default: 7)")
     bench.add_argument("--batch", type=int, default=1, help="prompts per batch (default: 1)")
@@ -376,7 +379,8 @@ def _cmd_frontier(args) -> int:
     try:
         import matplotlib  # noqa: F401  (frontier.png is written at the end: fail now, not after minutes)
     except ImportError:
-        raise KVBridgeError('kvbridge frontier draws frontier.png with matplotlib: pip install "kvbridge[plot]"') from None
+        raise KVBridgeError("kvbridge frontier draws frontier.png with matplotlib: "
+                            'pip install "kvbridge[plot]"') from None
     if args.source:
         source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
     else:
@@ -486,7 +490,8 @@ def _cmd_diagnose(args) -> int:
 
     texts = read_texts(args.texts)
     if args.items < 4 or args.seq_len < 128:
-        raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 (the recall task places spans 64+ tokens apart).")
+        raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 "
+                            "(the recall task places spans 64+ tokens apart).")
     check_output_dir(args.out)
     bridge = _bridge(args)
     report = diagnose(bridge, texts, args.items, args.seq_len)
@@ -502,7 +507,8 @@ def _cmd_diagnose(args) -> int:
         print("| Target layer made native | keys | values | both |\n|---:|---:|---:|---:|")
         for layer in range(bridge.target.info.num_layers):
             cells = [100 * next(r["mean_floor_normalized_retention"] for r in rows
-                                if r["target_layer"] == layer and r["kind"] == kind) for kind in ("key", "value", "both")]
+                                if r["target_layer"] == layer and r["kind"] == kind)
+                     for kind in ("key", "value", "both")]
             print(f"| {layer} | " + " | ".join(f"{c:.1f}%" for c in cells) + " |")
         print()
     print("| Target layer | R² keys | R² values | Attention-output cosine |")
@@ -570,7 +576,8 @@ def _cmd_inspect(args) -> int:
     for role in ("source", "target"):
         m = getattr(config, role)
         print(f"{role:9s} {m.name_or_path} @ {m.revision or '(local, no revision)'}  [{m.architecture}]")
-        print(f"          {m.num_layers} layers × {m.num_kv_heads} kv heads × {m.head_dim} dims; RoPE {m.rope.rope_type} "
+        print(f"          {m.num_layers} layers × {m.num_kv_heads} kv heads × {m.head_dim} dims; "
+              f"RoPE {m.rope.rope_type} "
               f"{ {k: v for k, v in m.rope.parameters.items() if k not in ('rope_type', 'type')} }")
     print(f"tokenizer {config.source.tokenizer_sha256[:16]}…")
     print(f"params    {data['num_parameters']:,} ({data['num_parameters'] * 4 / 1e9:.3f} GB float32)")
@@ -629,8 +636,8 @@ def _cmd_card(args) -> int:
 
 
 def _cmd_push(args) -> int:
-    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, check_artifact
-    from .card import CARD_FILE, CARD_FILES
+    from .artifact import KNOWN_FILES, check_artifact
+    from .card import CARD_FILE
     from .errors import ArtifactError
     from .hub import push_folder
 
@@ -640,11 +647,12 @@ def _cmd_push(args) -> int:
     problems = check_artifact(folder)
     if problems:
         raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was pushed.")
-    files = [n for n in (*ARTIFACT_FILES, RUN_REPORT_FILE, *CARD_FILES) if (folder / n).is_file()]
+    files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())
+    stale = sorted(KNOWN_FILES - set(files))  # a card or fit report of an earlier push must not describe this one
     if CARD_FILE not in files:
         _log(f"note: {folder} has no model card; `kvbridge card {folder}` writes one (README.md).")
     commit, url, pr = push_folder(folder, args.repo_id, files, ArtifactError, private=args.private,
-                                  create_pr=args.create_pr, token=args.token)
+                                  create_pr=args.create_pr, token=args.token, delete=stale)
     print(f"pushed {len(files)} files to {args.repo_id}: {pr or url}")
     print(f"pin this commit: Mapper.from_pretrained({args.repo_id!r}, revision={commit!r})"
           f"  (CLI: --mapper {args.repo_id} --mapper-revision {commit})")

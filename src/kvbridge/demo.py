@@ -86,7 +86,8 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
     f = mapper.config.fit
     levers = ", ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
                        + (f", MLP {v.hidden}" if v.hidden else "") for v in mapper.config.levers) or "none"
-    _say(f"fit: {f['observations']:,} observations in {mapper.run_report['fit_seconds']:.1f} s; levers: {levers}; runtime "
+    _say(f"fit: {f['observations']:,} observations in {mapper.run_report['fit_seconds']:.1f} s; "
+         f"levers: {levers}; runtime "
          f"{mapper.config.runtime.to_dict()}; held-out R² keys {f.get('key_r2_heldout_mean', float('nan')):.3f} "
          f"(plain {plain.config.fit.get('key_r2_heldout_mean', float('nan')):.3f}), values "
          f"{f.get('value_r2_heldout_mean', float('nan')):.3f}")

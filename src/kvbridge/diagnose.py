@@ -58,8 +58,8 @@ def attention_cosine(bridge: Bridge, rows: torch.Tensor) -> list[float]:
     mask = torch.ones_like(ids)
     positions = positions_from_mask(mask)
     hidden_in: dict[int, torch.Tensor] = {}
-    hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: hidden_in.__setitem__(i, (a or (kw["hidden_states"],))[0]),
-                                             with_kwargs=True)
+    hooks = [layer.register_forward_pre_hook(
+                 lambda m, a, kw, i=i: hidden_in.__setitem__(i, (a or (kw["hidden_states"],))[0]), with_kwargs=True)
              for i, layer in enumerate(model.get_decoder().layers)]
     try:
         native_cache, _ = prefill(model, ids, mask, positions, logits="none")

@@ -55,7 +55,7 @@ class TaskResult:
     # mode → list, for a bootstrap over documents
     per_item: dict | None = field(default=None, repr=False, compare=False)
 
-    def resampled(self, index: list[int]) -> "TaskResult":
+    def resampled(self, index: list[int]) -> TaskResult:
         """The same task on the items ``index`` (with repeats): one bootstrap replicate."""
         def agg(values):
             mean = sum(values[i] for i in index) / len(index)
@@ -80,7 +80,8 @@ class TaskResult:
 
     def to_dict(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "per_item"}
-        return data | {"raw_retention": self.raw_retention, "floor_normalized_retention": self.floor_normalized_retention}
+        return data | {"raw_retention": self.raw_retention,
+                       "floor_normalized_retention": self.floor_normalized_retention}
 
 
 def retention(native: float, mapped: float, floor: float) -> tuple[float, float]:
@@ -315,7 +316,8 @@ def retention_table(results: list[TaskResult]) -> str:
     lines = ["| Task | Metric | Native | Mapped | Source alone | Floor | Raw retention | Floor-normalized retention |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        kept = f"{100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}%" if _defined(r) else "n/a | n/a"
+        kept = (f"{100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}%" if _defined(r)
+                else "n/a | n/a")
         lines.append(f"| {r.task} | {r.metric} | {fmt(r, r.native)} | {fmt(r, r.mapped)} | {fmt(r, r.source)} | "
                      f"{fmt(r, r.floor)} | {kept} |")
     defined = [r for r in results if _defined(r)]

@@ -98,7 +98,8 @@ QUICK = FrontierConfig(
 
 
 GRIDS = {"full": FULL, "extended": EXTENDED, "quick": QUICK}
-RECOMMENDED = "lags + MLP 128 + hold-back 64"  # what `kvbridge frontier` recommended on the family: kvbridge fit's defaults
+# what `kvbridge frontier` recommended on the family: kvbridge fit's defaults
+RECOMMENDED = "lags + MLP 128 + hold-back 64"
 
 
 def split_validation(tokenizer, texts: list[str], items: int, length: int) -> tuple[list[str], list[str]]:
@@ -146,7 +147,8 @@ def recommend(points: list[dict]) -> str | None:
     if not eligible:
         return None
     best = max(p["validation_retention"] for p in eligible)
-    return max((p for p in eligible if p["validation_retention"] >= best - TIE), key=lambda p: p["ttft_speedup"])["name"]
+    return max((p for p in eligible if p["validation_retention"] >= best - TIE),
+               key=lambda p: p["ttft_speedup"])["name"]
 
 
 def pareto(points: list[dict]) -> list[str]:
@@ -200,7 +202,8 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
         points.append({
             "name": point.name, "levers": {"fit": point.fit, "runtime": point.runtime,
                                            "mapper": [v.to_dict() for v in mappers[key].config.levers]},
-            "tasks": tasks, "mean_floor_normalized_retention": mean_retention([r for run in runs.values() for r in run]),
+            "tasks": tasks,
+            "mean_floor_normalized_retention": mean_retention([r for run in runs.values() for r in run]),
             "interval_95": bootstrap_interval(list(runs.values())), "mean_by_length": by_length,
             "validation_retention": mean_retention(val), "context_tokens": longest, **timing,
             "ttft_flop_limit": flop_limit(bridge, longest),

@@ -277,7 +277,8 @@ def eval_table(rows: list[dict], protocol: str = "default") -> str:
         raw = sum(r["raw_retention"] for r in counted) / len(counted)
         norm = sum(r["floor_normalized_retention"] for r in counted) / len(counted)
         label = f"**Mean** (primary metrics, {len(counted)} tasks)"
-        lines.append(f"| {label} | | | |" + (" |" if has_source else "") + f" | | {100 * raw:.2f}% | {100 * norm:.2f}% | |")
+        lines.append(f"| {label} | | | |" + (" |" if has_source else "")
+                     + f" | | {100 * raw:.2f}% | {100 * norm:.2f}% | |")
     others = [r for r in rows if not r["primary"]]
     if others:
         lines.append("| *other metrics, not in the mean* | | | | |" + (" |" if has_source else "") + " | | | |")

@@ -17,6 +17,11 @@ from .errors import KVBridgeError
 _SNAPSHOT_RE = re.compile(r"snapshots[/\\]([0-9a-f]{40})(?:[/\\]|$)")
 
 
+def is_hub_id(name: str) -> bool:
+    """``owner/name`` that is not a path on this machine."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -83,9 +88,10 @@ def snapshot(
 
 
 def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KVBridgeError], private: bool = False,
-                create_pr: bool = False, token: str | None = None, commit_message: str = "Upload kvbridge mapper"
-                ) -> tuple[str, str, str | None]:
-    """Create ``repo_id`` if needed and upload ``files`` of ``folder`` in one commit.
+                create_pr: bool = False, token: str | None = None, commit_message: str = "Upload kvbridge mapper",
+                delete: list[str] | None = None) -> tuple[str, str, str | None]:
+    """Create ``repo_id`` if needed and upload ``files`` of ``folder`` in one commit, deleting ``delete`` from
+    the repo in the same commit (files of an earlier push that this artifact does not have).
 
     Returns ``(commit_sha, commit_url, pr_url)``. Offline mode, a missing or refused token, an invalid
     id and an unreachable hub are one ``error_cls`` each, with what to do.
@@ -102,6 +108,7 @@ def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KV
         raise error_cls(f"--repo-id {repo_id!r} must name an owner: owner/name.")
     if _offline():
         raise error_cls("HF_HUB_OFFLINE is set: nothing can be pushed. Unset it (and check the network), then retry.")
+    token = token or None  # an empty --token is no token
     if token is None and get_token() is None:
         raise error_cls("not logged in to the Hugging Face Hub: run `hf auth login` with a token that has write "
                         "access, or set HF_TOKEN, then retry.")
@@ -109,7 +116,7 @@ def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KV
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", allow_patterns=files,
-                                 commit_message=commit_message, create_pr=create_pr)
+                                 delete_patterns=delete or None, commit_message=commit_message, create_pr=create_pr)
     except hub_errors.OfflineModeIsEnabled:
         raise error_cls("HF_HUB_OFFLINE is set: nothing can be pushed. Unset it, then retry.") from None
     except hub_errors.HfHubHTTPError as exc:

@@ -124,7 +124,8 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
             for key, (x, y, w) in observed.items():
                 stats[key].update(x, y, w)
                 if key in keep:
-                    rows = (torch.rand(x.shape[0], generator=sampler) < share).to(x.device) if share < 1 else slice(None)
+                    rows = ((torch.rand(x.shape[0], generator=sampler) < share).to(x.device) if share < 1
+                            else slice(None))
                     kept[key].append((x[rows].float().cpu(), y[rows].float().cpu()))
             bar.update(batch.shape[0])
     weights, report = {}, {}
@@ -172,7 +173,8 @@ def train_residual_mlp(x: torch.Tensor, residual: torch.Tensor, hidden: int, bud
     rs.sub_(r_mu).div_(r_sigma)
     val, train = torch.arange(n_val), torch.arange(n_val, n)
     torch.manual_seed(budget.seed)
-    net = torch.nn.Sequential(torch.nn.Linear(xs.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, rs.shape[1]))
+    net = torch.nn.Sequential(torch.nn.Linear(xs.shape[1], hidden), torch.nn.GELU(),
+                              torch.nn.Linear(hidden, rs.shape[1]))
     torch.nn.init.zeros_(net[2].weight)  # start at the linear map: the MLP only adds what helps
     torch.nn.init.zeros_(net[2].bias)
     opt = torch.optim.AdamW(net.parameters(), lr=budget.lr, weight_decay=budget.weight_decay)

@@ -74,8 +74,9 @@ class KVBridgeLM(TemplateLM):
 
     def __init__(self, source: str | None = None, target: str | None = None, mapper: str | None = None,
                  mode: str = "mapped", device: str = "cpu", dtype: str = "auto", batch_size: int | str = 8,
-                 hold_back: int | str | None = None, max_length: int | str | None = None, source_revision: str | None = None,
-                 target_revision: str | None = None, mapper_revision: str | None = None,
+                 hold_back: int | str | None = None, max_length: int | str | None = None,
+                 source_revision: str | None = None, target_revision: str | None = None,
+                 mapper_revision: str | None = None,
                  allow_revision_mismatch: bool | str = False, rolling_chunk: int | str = 256,
                  bridge: Bridge | None = None, **_ignored):
         super().__init__()
@@ -104,7 +105,7 @@ class KVBridgeLM(TemplateLM):
 
     @classmethod
     def from_bridge(cls, bridge: Bridge, mode: str = "mapped", batch_size: int = 8,
-                    rolling_chunk: int = 256) -> "KVBridgeLM":
+                    rolling_chunk: int = 256) -> KVBridgeLM:
         return cls(bridge=bridge, mode=mode, batch_size=batch_size, rolling_chunk=rolling_chunk)
 
     def _count(self, task: str | None, fallback: bool) -> None:

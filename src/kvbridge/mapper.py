@@ -78,7 +78,7 @@ class Lever:
                 "hidden": self.hidden}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Lever":
+    def from_dict(cls, data: dict[str, Any]) -> Lever:
         return cls(kind=data["kind"], layer=data["layer"], lags=tuple(data.get("lags", (0,))),
                    inputs=tuple(data.get("inputs", ())), hidden=data.get("hidden", 0))
 
@@ -111,8 +111,8 @@ class RuntimeOptions:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ArtifactError(f"runtime {name} must be an integer >= 0, not {getattr(self, name)!r}.")
         if self.recompute_by == "bigram" and not (self.bigram_pairs and self.bigram_vocab):
-            raise ArtifactError("runtime recompute_by 'bigram' needs the bigram table (bigram_pairs, bigram_vocab > 0); "
-                                "refit with --recompute-by bigram.")
+            raise ArtifactError("runtime recompute_by 'bigram' needs the bigram table "
+                                "(bigram_pairs, bigram_vocab > 0); refit with --recompute-by bigram.")
         if not isinstance(self.sink, bool):
             raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
 
@@ -121,7 +121,7 @@ class RuntimeOptions:
                 "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RuntimeOptions":
+    def from_dict(cls, data: dict[str, Any]) -> RuntimeOptions:
         known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "sink", "bigram_pairs", "bigram_vocab")
                  if k in data}
         return cls(**known)
@@ -166,7 +166,8 @@ class MapperConfig:
                     f"got {None if layers is None else len(layers)}."
                 )
             for chosen in layers:
-                if not chosen or any(not 0 <= s < self.source.num_layers for s in chosen) or list(chosen) != sorted(set(chosen)):
+                if (not chosen or any(not 0 <= s < self.source.num_layers for s in chosen)
+                        or list(chosen) != sorted(set(chosen))):
                     raise ArtifactError(
                         f"mapper selection {list(chosen)} is not a sorted, non-empty set of source layers "
                         f"in [0, {self.source.num_layers})."
@@ -329,14 +330,14 @@ class Mapper:
     def device(self) -> torch.device:
         return self.weights["key.0.weight"].device
 
-    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "Mapper":
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Mapper:
         """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime)."""
         moved = {name: t.to(device=device, dtype=None if keeps_dtype(name) else dtype)
                  for name, t in self.weights.items()}
         return Mapper(self.config, moved, self.run_report)
 
     @classmethod
-    def identity(cls, info: ModelInfo) -> "Mapper":
+    def identity(cls, info: ModelInfo) -> Mapper:
         """The exact map from a model to itself (target layer l ← source layer l, W = I, b = 0).
 
         Useful to prove that cache handoff, positions and RoPE are exact: mapped == native.
@@ -360,7 +361,7 @@ class Mapper:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         verify: bool = True,
-    ) -> "Mapper":
+    ) -> Mapper:
         """Load a mapper folder or hub repo; checksums and shapes are verified before any tensor is used."""
         from .artifact import load_mapper
 
@@ -394,8 +395,28 @@ class Mapper:
         read zeros. Without ``positions`` column c is position c. Returns Lt tensors (B, Ht, T, Dt)
         each, in the mapper's dtype; the caller re-applies the target's RoPE to keys.
         """
+        self._check_inputs(keys, values, past)
         per_kind = {"key": layer_features(keys, self.dtype), "value": layer_features(values, self.dtype)}
         return self._map_kind("key", per_kind, positions, past), self._map_kind("value", per_kind, positions, past)
+
+    def _check_inputs(self, keys, values, past: int) -> None:
+        """The source's per-layer K/V as ``map`` needs them, or one InputError that says what differs."""
+        from .errors import InputError
+
+        s = self.config.source
+        want = (s.num_kv_heads, s.head_dim)
+        for name, layers in (("keys", keys), ("values", values)):
+            if not isinstance(layers, (list, tuple)) or len(layers) != s.num_layers:
+                raise InputError(f"{name} must be a list of the source's {s.num_layers} layers, not "
+                                 f"{type(layers).__name__} of {len(layers) if hasattr(layers, '__len__') else '?'}.")
+            for t in layers:
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[1], t.shape[3]) != want \
+                        or t.shape[:3] != layers[0].shape[:3] or not t.is_floating_point():
+                    raise InputError(f"{name} must be float tensors (B, {want[0]}, T, {want[1]}) of one shape, one "
+                                     f"per source layer; got {getattr(t, 'shape', type(t).__name__)}.")
+        if keys[0].shape != values[0].shape or not 0 <= past < keys[0].shape[2]:
+            raise InputError(f"keys {tuple(keys[0].shape)} and values {tuple(values[0].shape)} must match, and past "
+                             f"({past}) must leave at least one token to map.")
 
     def _map_kind(self, kind: str, per_kind: dict[str, torch.Tensor], positions, past: int) -> list[torch.Tensor]:
         batch, total = per_kind[kind].shape[:2]

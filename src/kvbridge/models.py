@@ -18,7 +18,7 @@ import torch
 
 from .errors import CompatibilityError, ModelLoadError
 from .hashing import sha256_bytes, sha256_json
-from .hub import snapshot
+from .hub import is_hub_id, snapshot
 from .rope import RopeSpec, rope_spec
 
 # Weight files a causal LM needs; Mistral repos also ship `consolidated.safetensors` (same weights,
@@ -73,7 +73,7 @@ class ModelInfo:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelInfo":
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         fields["rope"] = RopeSpec.from_dict(data["rope"])
         return cls(**fields)
@@ -145,7 +145,11 @@ def weights_fingerprint(local_dir) -> str | None:
 
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(Path(local_dir).glob("model*.safetensors"))
+    index = Path(local_dir) / "model.safetensors.index.json"
+    try:  # a sharded checkpoint: exactly the shards its index names (a stray file is not the model)
+        files = sorted({Path(local_dir) / f for f in json.loads(index.read_text())["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = sorted(Path(local_dir).glob("model*.safetensors"))
     if not files:
         return None
     entries = []
@@ -221,7 +225,8 @@ def load_model(
         try:
             model, report = AutoModelForCausalLM.from_pretrained(local_dir, **kwargs)
         except ValueError as exc:
-            raise ModelLoadError(f"{id_or_path!r} is not a causal language model transformers can load: {exc}") from None
+            raise ModelLoadError(f"{id_or_path!r} is not a causal language model "
+                                 f"transformers can load: {exc}") from None
         except OSError as exc:
             raise ModelLoadError(f"cannot load weights of {id_or_path!r}: {exc}") from None
     missing = sorted(report.get("missing_keys") or [])
@@ -287,7 +292,8 @@ def check_matches(loaded: ModelInfo, recorded: ModelInfo, role: str, allow_revis
     problems = []
     if recorded.revision and loaded.revision != recorded.revision:
         problems.append(f"revision {loaded.revision or 'unknown (local folder)'} != recorded {recorded.revision}")
-    if _is_hub_id(loaded.name_or_path) and _is_hub_id(recorded.name_or_path) and loaded.name_or_path != recorded.name_or_path:
+    if (is_hub_id(loaded.name_or_path) and is_hub_id(recorded.name_or_path)
+            and loaded.name_or_path != recorded.name_or_path):
         problems.append(f"repo {loaded.name_or_path!r} != recorded {recorded.name_or_path!r}")
     if recorded.weights_sha256 and loaded.weights_sha256 and loaded.weights_sha256 != recorded.weights_sha256:
         problems.append(f"its weights differ from the ones the mapper was fitted on (fingerprint "
@@ -299,12 +305,6 @@ def check_matches(loaded: ModelInfo, recorded: ModelInfo, role: str, allow_revis
             "recorded checkpoint, or pass --allow-revision-mismatch (allow_revision_mismatch=True) to accept "
             "possibly lower quality."
         )
-
-
-def _is_hub_id(name: str) -> bool:
-    from pathlib import Path
-
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
 # -- running models: prefill and caches (transformers' cache layout is known only here) ------------

@@ -70,7 +70,14 @@ def _atomic(path: Path, write) -> None:
 
 
 def umask() -> int:
-    """The process's umask (read without changing it for longer than a call)."""
+    """The process's umask: read from /proc on Linux (setting it to read it back would race other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -48,7 +48,7 @@ class RopeSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RopeSpec":
+    def from_dict(cls, data: dict[str, Any]) -> RopeSpec:
         return cls(
             model_type=str(data["model_type"]),
             rope_type=str(data["rope_type"]),

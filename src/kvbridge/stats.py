@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -59,7 +59,8 @@ def read_texts(path: str | Path) -> list[str]:
                 except RecursionError:
                     raise InputError(f"{path}:{number} is nested too deeply to be a text record.") from None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise InputError(f"{path}:{number} has no string field 'text'; each line must be {{\"text\": ...}}.")
+                    raise InputError(f"{path}:{number} has no string field 'text'; "
+                                     "each line must be {\"text\": ...}.")
                 try:  # JSON can spell a lone surrogate ("\\ud800"), which no tokenizer reads
                     record["text"].encode("utf-8")
                 except UnicodeEncodeError as exc:
@@ -169,7 +170,7 @@ class KVStats:
         xc, yc = x - mx, y - my
         self._absorb(total, mx, my, (w * xc).T @ xc, (w * xc).T @ yc, (w * yc * yc).sum(0))
 
-    def merge(self, other: "KVStats") -> "KVStats":
+    def merge(self, other: KVStats) -> KVStats:
         """A new statistics object equal to one pass over both data sets."""
         merged = KVStats(self.mean_x.numel(), self.mean_y.numel(), self.gram.device)
         merged._absorb(self.n, self.mean_x, self.mean_y, self.gram, self.cross, self.ssq_y)
@@ -193,7 +194,7 @@ class CalibrationStats:
     def observations(self) -> int:
         return self.key.n
 
-    def merge(self, other: "CalibrationStats") -> "CalibrationStats":
+    def merge(self, other: CalibrationStats) -> CalibrationStats:
         return CalibrationStats(
             key=self.key.merge(other.key),
             value=self.value.merge(other.value),

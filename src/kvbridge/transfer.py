@@ -59,7 +59,6 @@ def _score_row(logprobs: torch.Tensor, continuation: list[int]) -> Score:
     return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
 
 
-@torch.no_grad()
 def check_text(text: Any, what: str) -> None:
     """Refuse what is not text a tokenizer can read: non-strings, and strings with undecodable bytes (a
     command line or file read with ``surrogateescape`` keeps a non-UTF-8 byte as a lone surrogate)."""
@@ -87,6 +86,7 @@ def check_generation(max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
             raise InputError(f"top_k must be an integer >= 0, not {top_k!r}.")
 
 
+@torch.no_grad()
 def score_plain(model, context: list[int], continuation: list[int]) -> Score:
     """``model`` scores ``continuation`` after ``context`` in one forward pass, no cache and no transfer."""
     device = next(model.parameters()).device
@@ -129,7 +129,9 @@ class Bridge:
         self.recompute = runtime.recompute if recompute is None else float(recompute)
         if not 0.0 <= self.recompute <= 1.0:
             raise InputError(f"recompute must be a fraction in [0, 1], not {recompute}.")
-        self.sink = runtime.sink if sink is None else bool(sink)
+        if sink is not None and not isinstance(sink, bool):
+            raise InputError(f"sink must be True or False, not {sink!r}.")
+        self.sink = runtime.sink if sink is None else sink
         self.recompute_by = runtime.recompute_by if recompute_by is None else recompute_by
         if self.recompute_by not in CRITERIA:
             raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
@@ -147,7 +149,7 @@ class Bridge:
                         mapper_device: str | None = None, target_device: str | None = None,
                         hold_back: int | None = None, allow_revision_mismatch: bool = False,
                         recompute: float | None = None, sink: bool | None = None,
-                        recompute_by: str | None = None) -> "Bridge":
+                        recompute_by: str | None = None) -> Bridge:
         from .models import check_device, load_model, resolve_dtype
 
         for flag, dev in (("--device", device), ("--mapper-device", mapper_device), ("--target-device", target_device)):
@@ -163,6 +165,8 @@ class Bridge:
     # -- inputs ------------------------------------------------------------------------------
     def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}.")
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -185,9 +189,23 @@ class Bridge:
     def _check_ids(self, rows: list[list[int]], what: str) -> None:
         vocab = min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
         for i, row in enumerate(rows):
+            if not isinstance(row, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in row):
+                raise InputError(f"{what} {i} must be a list of integer token ids.")
             if row and (min(row) < 0 or max(row) >= vocab):
                 raise InputError(f"{what} {i} holds token ids outside the vocabulary [0, {vocab}); "
                                  "encode text with the models' own tokenizer.")
+
+    def _check_batch(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """A left-padded batch as :meth:`pad` makes it: (B, T) integer ids in the vocabulary, a 0/1 mask alike."""
+        if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor):
+            raise InputError("ids and mask must be tensors (B, T); Bridge.encode or Bridge.pad makes them.")
+        if ids.dim() != 2 or ids.shape != mask.shape or ids.is_floating_point() or ids.shape[1] < 2:
+            raise InputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be integer tensors of one "
+                             "shape (B, T) with T >= 2; Bridge.encode or Bridge.pad makes them.")
+        vocab = min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InputError(f"ids hold token ids outside the vocabulary [0, {vocab}).")
 
     def pad(self, rows: list[list[int]], max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         limit = self.max_positions
@@ -299,6 +317,7 @@ class Bridge:
         """The model that continues and its cache over all but the last :meth:`held_back` columns."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
+        self._check_batch(ids, mask)
         cut = ids.shape[1] - self.held_back(mask)
         prefix_ids, prefix_mask = ids[:, :cut], mask[:, :cut]
         if mode == "mapped":
@@ -343,13 +362,17 @@ class Bridge:
         generate_kwargs.setdefault("do_sample", False)
         pad_id = self.tokenizer.pad_token_id
         generate_kwargs.setdefault("pad_token_id", self.tokenizer.eos_token_id if pad_id is None else pad_id)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
-                             max_new_tokens=max_new_tokens, **generate_kwargs)
+        try:
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+                                 max_new_tokens=max_new_tokens, **generate_kwargs)
+        except ValueError as exc:  # transformers validates generation options only here
+            raise InputError(f"transformers refused the generation options: {str(exc).splitlines()[0]}") from None
         return out[:, ids.shape[1]:]
 
     def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
                  **generate_kwargs) -> Generation:
         """Continue each prompt; ``generate_kwargs`` go to transformers ``generate`` (do_sample, top_p, …)."""
+        check_generation(max_new_tokens, generate_kwargs)
         ids, mask = self.encode(prompts, max_new_tokens)
         start = time.perf_counter()
         new = self.generate_ids(ids, mask, mode, max_new_tokens, **generate_kwargs)

@@ -246,7 +246,8 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
             rec = recall_accuracy(model, *probe)
             model.train()
             log(f"{tag} step {step}/{steps} loss {ema:.3f} recall {rec:.1%} copy {copy_acc or 0:.1%} "
-                f"alphabet {rows.alphabet} pure {mix['pure']:.2f} rows {batch}×{rows.seq} ({time.time() - start:.0f} s)")
+                f"alphabet {rows.alphabet} pure {mix['pure']:.2f} rows {batch}×{rows.seq} "
+                f"({time.time() - start:.0f} s)")
     model.eval()
     return time.time() - start
 
@@ -254,8 +255,8 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
 def copy_curriculum(progress: float) -> dict[str, float]:
     """Row mix by training progress: pure repeats first (dense copy signal), then copying inside real text.
 
-    A 4-layer model trained on spans inserted into text alone did not learn to copy (README, the family's training stages);
-    whole rows of a repeated random sequence over a small alphabet teach induction within a few
+    A 4-layer model trained on spans inserted into text alone did not learn to copy (README, the family's training
+    stages); whole rows of a repeated random sequence over a small alphabet teach induction within a few
     hundred steps, and the alphabet then grows (see :class:`Rows`).
     """
     if progress < 0.5:
@@ -387,8 +388,9 @@ def main(argv=None) -> None:
     calib = Rows(train_stream, frequent, args.seed + 1, alphabet=len(frequent)).batch(32, DISTILL_MIX)[0]
     keep = best_layers(target, 2, calib)
     source = prune(target, keep, 160, 480, calib)
-    source_seconds = train(source, Rows(train_stream, frequent, args.seed + 2, alphabet=len(frequent)), args.source_steps, 1e-3, args.batch,
-                           lambda p: DISTILL_MIX, probe, teacher=target, tag="source", log_every=args.log_every)
+    source_seconds = train(source, Rows(train_stream, frequent, args.seed + 2, alphabet=len(frequent)),
+                           args.source_steps, 1e-3, args.batch, lambda p: DISTILL_MIX, probe, teacher=target,
+                           tag="source", log_every=args.log_every)
 
     out = Path(args.out)
     for name, model in (("target", target), ("source", source)):
@@ -408,7 +410,8 @@ def main(argv=None) -> None:
         "splits": {k: {"documents": len(v), "sha256": sha256_texts(v)} for k, v in splits.items()},
         "train_tokens": len(train_stream),
         "train_stream_sha256": sha256_bytes(train_stream.numpy().tobytes()),
-        "seed": args.seed, "copy_phase_seconds": round(copy_seconds), "copy_alphabet": rows.alphabet, "target_steps": args.target_steps, "source_steps": args.source_steps,
+        "seed": args.seed, "copy_phase_seconds": round(copy_seconds), "copy_alphabet": rows.alphabet,
+        "target_steps": args.target_steps, "source_steps": args.source_steps,
         "batch": args.batch, "seq_len": SEQ, "source_layers_from_target": list(keep),
         "target_train_seconds": round(target_seconds), "source_train_seconds": round(source_seconds),
         "train_seconds": round(time.time() - t0),

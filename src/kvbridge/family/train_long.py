@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from ..evaluate import band_perplexity, frequent_ids, heldout_rows, recall_items
-from ..transfer import score_plain
 from ..hashing import sha256_bytes
+from ..transfer import score_plain
 from .corpus import documents
 from .train import PAD, Rows, frequent_tokens, heldout_ppl, log, recall_accuracy, recall_rows, token_stream, train
 
@@ -70,7 +70,8 @@ def measure(model, tokenizer, held_texts, held_stream, frequent) -> dict:
     for length, rows in ((256, heldout_rows(tokenizer, held_texts, 48, 256)), (1024, rows_1k)):
         ctx, _, cont = recall_items(rows, frequent_ids(rows, set(tokenizer.all_special_ids), 1024))
         scores = [score_plain(model, c, k) for c, k in zip(ctx, cont)]
-        task_recall[f"task_recall_random_{length}"] = round(sum(x.correct for x in scores) / sum(x.tokens for x in scores), 4)
+        task_recall[f"task_recall_random_{length}"] = round(sum(x.correct for x in scores)
+                                                            / sum(x.tokens for x in scores), 4)
     return task_recall | {
         "heldout_ppl": round(ppl, 3), "heldout_ppl_no_context": round(bare, 3),
         "recall_accuracy": round(recall_accuracy(model, *recall_rows(held_stream, frequent, 32)), 4),
