@@ -130,3 +130,13 @@ def test_hub_cache_snapshot_loads_and_records_revision(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     mapper = Mapper.from_pretrained("org/mapper", revision=commit)
     assert mapper.config.target.name_or_path == "org/large"
+
+
+def test_the_mapper_is_resident_once(tmp_path):
+    """Per-layer weights are views of the group GEMM operands: no second copy of the map in memory."""
+    mapper = random_mapper()
+    mapper.save_pretrained(tmp_path / "m")
+    for loaded in (mapper, Mapper.from_pretrained(str(tmp_path / "m")),
+                   Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)):
+        expected = sum(t.numel() * t.element_size() for t in loaded.weights.values())
+        assert loaded.resident_bytes == expected

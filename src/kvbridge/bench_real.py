@@ -91,14 +91,10 @@ def random_mapper(source, target, device, dtype, levers: bool = False):
     return Mapper(config, weights)
 
 
-def plan_table() -> str:
-    """Parameters, size and FLOPs per token of the plain published geometry and of kvbridge fit's default levers.
-
-    From the shipped configs alone: no weights are built.
-    """
+def _published_infos():
+    """ModelInfo and config of Ministral-3 3B and 8B (text) from the shipped configs."""
     from transformers import Ministral3Config
 
-    from .bench import map_flops, prefill_flops
     from .models import ModelInfo
     from .rope import RopeSpec
 
@@ -112,6 +108,32 @@ def plan_table() -> str:
                                 config.num_key_value_heads, config.head_dim, config.max_position_embeddings, rope,
                                 "plan")
         configs[name] = config
+    return infos, configs
+
+
+def resident_line(device: str = "cpu") -> str:
+    """Build the plain published mapper (zero weights, bfloat16) and report what it holds in memory."""
+    from .mapper import Mapper
+
+    infos, _ = _published_infos()
+    config = published_config(infos["ministral3-3b-text"], infos["ministral3-8b-text"], levers=False)
+    weights = {name: torch.zeros(shape, device=device, dtype=torch.bfloat16)
+               for name, shape in config.weight_shapes().items()}
+    mapper = Mapper(config, weights)
+    del weights
+    n = config.num_parameters()
+    return (f"plain mapper at the Ministral-3 3B→8B geometry in bfloat16 on {device}: {n / 1e9:.3f} B parameters, "
+            f"resident {mapper.resident_bytes / 1e9:.2f} GB (parameters × 2 bytes = {2 * n / 1e9:.2f} GB)")
+
+
+def plan_table() -> str:
+    """Parameters, size and FLOPs per token of the plain published geometry and of kvbridge fit's default levers.
+
+    From the shipped configs alone: no weights are built.
+    """
+    from .bench import map_flops, prefill_flops
+
+    infos, configs = _published_infos()
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
     per_token_8b = prefill_flops(configs["ministral3-8b-text"], 1, 0)
     lines = ["| Mapper at the Ministral-3 3B→8B geometry | Parameters | float32 | bfloat16 | Map GFLOP/token | "
@@ -145,9 +167,15 @@ def main(argv=None) -> None:
                         help="time a mapper with kvbridge fit's default levers instead of the plain published one")
     parser.add_argument("--plan", action="store_true",
                         help="only print parameters, size and FLOPs per token of the plain and levered mappers")
+    parser.add_argument("--resident", action="store_true",
+                        help="only build the plain published mapper (zero weights, bfloat16, on --device) and print "
+                             "the memory it holds (about 7.4 GB at peak while it is built)")
     args = parser.parse_args(argv)
     if args.plan:
         print(plan_table())
+        return
+    if args.resident:
+        print(resident_line(args.device))
         return
     if args.json:
         check_output_file(args.json, "--json")
@@ -160,8 +188,8 @@ def main(argv=None) -> None:
     params = mapper.config.num_parameters()
     where = device_name(torch.device(args.device))
     print(f"{where}; {args.dtype}; random weights at the published geometry"
-          f"{' (tiny)' if args.tiny else ''}; mapper {params / 1e9:.3f} B parameters; "
-          f"built in {time.perf_counter() - start:.0f} s\n", flush=True)
+          f"{' (tiny)' if args.tiny else ''}; mapper {params / 1e9:.3f} B parameters, resident "
+          f"{mapper.resident_bytes / 1e9:.2f} GB; built in {time.perf_counter() - start:.0f} s\n", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = run_bench(bridge, contexts, args.warmup, args.trials)
     print(bench_table(rows))

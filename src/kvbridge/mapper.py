@@ -289,7 +289,7 @@ class Mapper:
             raise ArtifactError(f"mapper tensor {bad[0]} holds NaN or Inf ({len(bad)} tensor(s) in all); the mapper "
                                 "would produce garbage. Refit it, or re-download it.")
         self.config = config
-        self.weights = weights
+        self.weights = dict(weights)  # per-layer entries become views of their group's tensor below
         # how the fit that made it ran (time, throughput, peak memory): saved beside the artifact, outside
         # its checksummed identity, because it changes between identical fits
         self.run_report = dict(run_report or {})
@@ -310,17 +310,35 @@ class Mapper:
             spec = key[0]
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
             b = [self.weights[f"{kind}.{l}.bias"] for l in targets]
-            weight = w[0] if len(w) == 1 else torch.cat(w, dim=1)
+            weight = w[0].contiguous() if len(w) == 1 else torch.cat(w, dim=1)
             bias = b[0] if len(b) == 1 else torch.cat(b, dim=0)
+            # the mapper is resident once: each layer's weight is (a view of) its group's GEMM operand
+            ft = self.config.target.kv_features
+            for i, l in enumerate(targets):
+                self.weights[f"{kind}.{l}.weight"] = weight[:, i * ft : (i + 1) * ft] if len(w) > 1 else weight
+                self.weights[f"{kind}.{l}.bias"] = bias[i * ft : (i + 1) * ft] if len(b) > 1 else bias
             sources = None if spec.sources == all_layers else torch.tensor(spec.sources, device=weight.device)
             mlp = None
             if len(key) == 2:
                 p = f"{kind}.{targets[0]}.mlp"
-                mlp = tuple(self.weights[f"{p}.{n}"].contiguous() for n in ("in.weight", "in.bias", "out.weight",
-                                                                           "out.bias"))
-            groups.append(_Group(features=spec, sources=sources, targets=tuple(targets), weight=weight.contiguous(),
+                names = [f"{p}.{n}" for n in ("in.weight", "in.bias", "out.weight", "out.bias")]
+                for name in names:
+                    self.weights[name] = self.weights[name].contiguous()
+                mlp = tuple(self.weights[name] for name in names)
+            groups.append(_Group(features=spec, sources=sources, targets=tuple(targets), weight=weight,
                                  bias=bias, mlp=mlp))
         return groups
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the mapper holds: every distinct storage behind its weights and the groups' GEMM operands."""
+        storages = {}
+        tensors = list(self.weights.values())
+        tensors += [t for groups in self._groups.values() for g in groups for t in (g.weight, g.bias, *(g.mlp or ()))]
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[(t.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())
 
     @property
     def dtype(self) -> torch.dtype:
