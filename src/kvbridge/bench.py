@@ -163,12 +163,17 @@ def _peak(device: torch.device) -> int:
 
 
 def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, trials: int) -> float:
-    """Median time of plain ``torch.matmul`` calls with exactly the map's GEMM shapes (the reference)."""
+    """Median time of plain ``torch.matmul`` calls with exactly the map's GEMM shapes (the reference): each
+    group's ``x @ W`` and, for a residual MLP, its two GEMMs — every FLOP :func:`map_flops` counts."""
     pairs = []
     for kind in KINDS:
         for group in mapper._groups[kind]:
             x = torch.randn(tokens, group.weight.shape[0], device=mapper.device, dtype=mapper.dtype)
             pairs.append((x, group.weight))
+            if group.mlp is not None:
+                w1, _, w2, _ = group.mlp
+                pairs.append((x.to(w1.dtype), w1))
+                pairs.append((torch.randn(tokens, w2.shape[0], device=mapper.device, dtype=w2.dtype), w2))
     return time_ms(lambda: [torch.matmul(x, w) for x, w in pairs], device, warmup, trials)[0]
 
 

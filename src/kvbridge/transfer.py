@@ -285,8 +285,9 @@ class Bridge:
             for layer in range(t_info.num_layers):
                 out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
                 out_v[layer][:, :, sl] = mv[layer]
-        # one reduction and one sync for the whole cache: garbage in a cache decodes as plausible-looking garbage
-        if not bool(torch.stack([torch.isfinite(t).all() for t in out_k + out_v]).all()):
+        # one sum per tensor and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose
+        # sum overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
+        if not bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in out_k + out_v])).all()):
             raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
                                  "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
         return make_cache(self.target.model, out_k, out_v)
