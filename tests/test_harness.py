@@ -114,8 +114,8 @@ def test_diagnose_command(pair, fitted, tmp_path, capsys):
 
 def test_recomputed_attention_matches_the_models_own(tiny_pair):
     """The diagnostic's queries (RoPE, Ministral3 position scaling) reproduce the model's attention output."""
-    from kvbridge.diagnose import _attend, _queries
-    from kvbridge.models import cache_kv, load_model, positions_from_mask, prefill
+    from kvbridge.diagnose import _attend
+    from kvbridge.models import attention_queries, cache_kv, load_model, positions_from_mask, prefill
     from kvbridge.rope import rotary_factors
 
     target = load_model(tiny_pair[1])
@@ -135,6 +135,6 @@ def test_recomputed_attention_matches_the_models_own(tiny_pair):
         h2.remove()
     keys, values = cache_kv(cache)
     cos, sin = rotary_factors(model, positions)
-    q = _queries(model, seen["h"], 1, cos, sin, positions)
+    q = attention_queries(model, seen["h"], 1, cos, sin, positions)
     ours = _attend(q, keys[1], values[1]).transpose(1, 2).reshape(2, 200, -1)
     assert torch.allclose(ours, seen["o"], atol=1e-5)

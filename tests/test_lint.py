@@ -16,3 +16,36 @@ def test_ruff_is_clean():
     run = subprocess.run([ruff, "check", "src", "tests"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
 
+
+
+def test_no_import_cycle_in_the_package():
+    """No module imports, at any level (top or inside a function), a module that imports it back."""
+    import ast
+
+    package = ROOT / "src" / "kvbridge"
+    graph = {}
+    for path in package.rglob("*.py"):
+        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = module.split(".")
+                base = parts if path.name == "__init__.py" else parts[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                deps |= {f"{target}.{a.name}" for a in node.names} if node.module is None else {target}
+        graph[module] = deps
+    modules = set(graph)
+
+    def reachable(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt in modules and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted({tuple(sorted((a, b))) for a in modules for b in graph[a] & modules
+                     if a != b and a in reachable(b)})
+    assert not cycles, cycles

@@ -19,7 +19,6 @@ from kvbridge.artifact import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
     WEIGHTS_FILE,
-    check_artifact,
     leftovers,
     read_checksums,
     recover_interrupted_save,
@@ -28,6 +27,7 @@ from kvbridge.artifact import (
 from kvbridge.cli import main
 from kvbridge.errors import ArtifactError, CompatibilityError, InputError, KVBridgeError
 from kvbridge.hashing import sha256_file
+from kvbridge.mapper import check_mapper
 from kvbridge.stats import read_texts
 
 
@@ -63,7 +63,7 @@ def test_checksums_accept_binary_mode_and_upper_case_and_refuse_bytes(tmp_path):
     folder = tmp_path / "m"
     lines = [f"{sha256_file(folder / n).upper()} *{n}\n" for n in (CONFIG_FILE, WEIGHTS_FILE)]  # sha256sum -b
     (folder / CHECKSUMS_FILE).write_text("".join(lines))
-    assert check_artifact(folder) == [] and set(read_checksums(folder)) == {CONFIG_FILE, WEIGHTS_FILE}
+    assert check_mapper(folder) == [] and set(read_checksums(folder)) == {CONFIG_FILE, WEIGHTS_FILE}
     (folder / CHECKSUMS_FILE).write_bytes(b"\xff\xfe" + "".join(lines).encode())
     with pytest.raises(ArtifactError, match="not text"):
         Mapper.from_pretrained(str(folder))
@@ -82,7 +82,7 @@ def test_poisoned_weights_with_resealed_checksums_are_refused(tmp_path, poison):
         tensors["value.1.bias"][0] = float(poison)
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "kvbridge-mapper/2"})
     _reseal(folder)
-    assert check_artifact(folder)  # verify sees it
+    assert check_mapper(folder)  # verify sees it
     with pytest.raises(ArtifactError):
         Mapper.from_pretrained(str(folder))
 
@@ -174,7 +174,7 @@ def test_every_mapper_json_edit_is_one_clear_refusal(tmp_path, edit, capsys):
     with pytest.raises(ArtifactError) as caught:
         Mapper.from_pretrained(str(folder))
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
-    assert check_artifact(folder)
+    assert check_mapper(folder)
     assert main(["verify", str(folder)]) == 1 and main(["inspect", str(folder)]) == 1
     assert "Traceback" not in capsys.readouterr().err
 
@@ -199,9 +199,9 @@ def test_sampled_byte_flips_in_every_file_are_refused(tmp_path, name):
         (folder / name).write_bytes(bytes(data))
         with pytest.raises(ArtifactError):
             Mapper.from_pretrained(str(folder))
-        assert check_artifact(folder), offset
+        assert check_mapper(folder), offset
     (folder / name).write_bytes(original)
-    assert check_artifact(folder) == []
+    assert check_mapper(folder) == []
 
 
 def test_loading_reads_no_tensor_before_the_header_matches(tmp_path, monkeypatch):
@@ -210,7 +210,7 @@ def test_loading_reads_no_tensor_before_the_header_matches(tmp_path, monkeypatch
     mapper = random_mapper()
     folder = tmp_path / "m"
     mapper.save_pretrained(folder)
-    tensors = dict(mapper.weights) | {"junk": torch.zeros(1 << 22)}  # 16 MB the config does not know
+    tensors = {n: t.clone() for n, t in mapper.weights.items()} | {"junk": torch.zeros(1 << 22)}  # 16 MB unknown
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "kvbridge-mapper/2"})
     _reseal(folder)
     reads = []

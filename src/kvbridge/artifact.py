@@ -1,4 +1,8 @@
-"""Mapper artifacts: files, checksums, manifest. ``save_mapper`` and ``load_mapper`` are a pair.
+"""Artifact folders on disk: writing them atomically, verifying checksums, reading headers and tensors.
+
+Generic: this module knows files, checksums and safetensors, not what a mapper is — the mapper fills
+in its part (:meth:`kvbridge.mapper.Mapper.save_pretrained` / ``from_pretrained``; the JSON format is
+in :mod:`kvbridge.schema`).
 
 A mapper folder holds::
 
@@ -33,155 +37,19 @@ from typing import Any
 
 import torch
 
-from . import __version__
 from .errors import ArtifactError
 from .hashing import sha256_file
 from .hub import snapshot
-from .mapper import INTEGER_TENSORS, Lever, Mapper, MapperConfig, RuntimeOptions, keeps_dtype
-from .models import ModelInfo, check_device
 from .outputs import check_output_dir, umask
+from .schema import CONFIG_FILE, FORMAT
 
-FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs) and "runtime"; version-1 files read as plain maps
 WEIGHTS_FILE = "mapper.safetensors"
-CONFIG_FILE = "mapper.json"
 CHECKSUMS_FILE = "checksums.sha256"
 RUN_REPORT_FILE = "fit_report.json"  # volatile measurements of the fit: not part of the artifact's identity
 ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
 DOWNLOAD_FILES = [*ARTIFACT_FILES, RUN_REPORT_FILE]
 CARD_FILES = ("README.md", "artifact_manifest.json", "example.py")  # written by `kvbridge card` (kvbridge.card)
 KNOWN_FILES = frozenset([*DOWNLOAD_FILES, *CARD_FILES])
-FEATURE_LAYOUT = (
-    "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
-    "KV heads concatenated head-major (feature h*head_dim + d); x = selected source layers concatenated in "
-    "ascending order, of the target's own kind at the same token; y = x @ weight + bias. A lever on (kind, "
-    "layer) makes x the concatenation over its lags j (ascending), then its inputs (key before value), then "
-    "the selected source layers, of the source token t - j (zeros before a sequence's first token), and adds "
-    "gelu(x @ mlp.in.weight + mlp.in.bias) @ mlp.out.weight + mlp.out.bias when hidden > 0"
-)
-
-
-def config_to_json(config: MapperConfig) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kvbridge_version": __version__,
-        "source": config.source.to_dict(),
-        "target": config.target.to_dict(),
-        "feature_layout": FEATURE_LAYOUT,
-        "selection": {kind: [list(layers) for layers in config.selection[kind]] for kind in config.selection},
-        "levers": [lever.to_dict() for lever in config.levers],
-        "runtime": config.runtime.to_dict(),
-        "num_parameters": config.num_parameters(),
-        "weights_dtype": "float32",  # runtime tables: recompute.bigram.keys int64, counts float32
-        "fit": config.fit,
-    }
-
-
-def config_from_json(data: Any) -> MapperConfig:
-    """A validated :class:`MapperConfig`; any malformed field is one ArtifactError that names it."""
-    _validate(data)
-    version = data["format_version"]
-    try:
-        return MapperConfig(
-            source=ModelInfo.from_dict(data["source"]),
-            target=ModelInfo.from_dict(data["target"]),
-            selection={k: tuple(tuple(layers) for layers in data["selection"][k]) for k in ("key", "value")},
-            fit=dict(data.get("fit", {})),
-            levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])) if version >= 2 else (),
-            runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
-        )
-    except (KeyError, TypeError, ValueError) as exc:  # _validate should have named it: a last line of defence
-        raise ArtifactError(f"{CONFIG_FILE} is incomplete or malformed ({exc!r}); "
-                            "re-download or refit the mapper.") from None
-
-
-# -- mapper.json validation: every field's type and range, checked before any object is built --------
-def _bad(field: str, what: str, value: Any = None, missing: bool = False) -> ArtifactError:
-    shown = "missing" if missing else f"{_short(value)} ({type(value).__name__})"
-    return ArtifactError(f"{CONFIG_FILE}: field {field!r} must be {what}, but is {shown}. The file is malformed or "
-                         "was edited; re-download or refit the mapper.")
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _get(obj: dict, key: str, where: str, check, what: str, required: bool = True) -> Any:
-    field = f"{where}.{key}" if where else key
-    if key not in obj:
-        if required:
-            raise _bad(field, what, missing=True)
-        return None
-    if not check(obj[key]):
-        raise _bad(field, what, obj[key])
-    return obj[key]
-
-
-def _validate(data: Any) -> None:
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{CONFIG_FILE} must hold a JSON object, not {type(data).__name__}; the file is corrupted.")
-    if data.get("format") != FORMAT:
-        raise ArtifactError(f"{CONFIG_FILE} is not a kvbridge mapper (format {_short(data.get('format'))}).")
-    version = data.get("format_version")
-    if _is_int(version) and version > FORMAT_VERSION:
-        raise ArtifactError(f"{CONFIG_FILE} has format version {version}; this kvbridge reads up to {FORMAT_VERSION}. "
-                            "Upgrade kvbridge (`pip install -U kvbridge`).")
-    _get(data, "format_version", "", lambda v: _is_int(v) and 1 <= v, f"an integer from 1 to {FORMAT_VERSION}")
-    # sizes beyond 2**40 are not a model: bounding them keeps every product of shapes a machine integer
-    integer = lambda lo, hi=2**40: (lambda v: _is_int(v) and lo <= v <= hi)  # noqa: E731
-    text = lambda v: isinstance(v, str)  # noqa: E731
-    for role in ("source", "target"):
-        info = _get(data, role, "", lambda v: isinstance(v, dict), "an object")
-        _get(info, "name_or_path", role, text, "a string")
-        _get(info, "revision", role, lambda v: v is None or isinstance(v, str), "a string or null")
-        _get(info, "architecture", role, text, "a string")
-        for key, lo in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("max_positions", 0)):
-            _get(info, key, role, integer(lo), f"an integer from {lo} to 2**40")
-        _get(info, "tokenizer_sha256", role, text, "a string")
-        _get(info, "weights_sha256", role, lambda v: v is None or isinstance(v, str), "a string or null",
-             required=False)
-        rope = _get(info, "rope", role, lambda v: isinstance(v, dict), "an object")
-        _get(rope, "model_type", f"{role}.rope", text, "a string")
-        _get(rope, "rope_type", f"{role}.rope", text, "a string")
-        _get(rope, "head_dim", f"{role}.rope", integer(1), "an integer from 1 to 2**40")
-        _get(rope, "parameters", f"{role}.rope", lambda v: isinstance(v, dict) and all(
-            x is None or isinstance(x, (str, int, float, bool)) for x in v.values()),
-            "an object of numbers, strings, booleans or nulls", required=False)
-    selection = _get(data, "selection", "", lambda v: isinstance(v, dict), "an object")
-    for kind in ("key", "value"):
-        _get(selection, kind, "selection", lambda v: isinstance(v, list) and all(
-            isinstance(layers, list) and all(_is_int(s) for s in layers) for layers in v),
-            "a list (one per target layer) of lists of source layer indices")
-    fit = _get(data, "fit", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
-    _get(fit, "settings", "fit", lambda v: isinstance(v, dict), "an object", required=False)
-    levers = _get(data, "levers", "", lambda v: isinstance(v, list), "a list", required=False) or []
-    for i, lever in enumerate(levers):
-        where = f"levers[{i}]"
-        if not isinstance(lever, dict):
-            raise _bad(where, "an object", lever)
-        _get(lever, "kind", where, text, "'key' or 'value'")
-        _get(lever, "layer", where, integer(0), "an integer from 0 to 2**40")
-        _get(lever, "lags", where, lambda v: isinstance(v, list) and all(_is_int(j) for j in v),
-             "a list of integers", required=False)
-        _get(lever, "inputs", where, lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
-             "a list of 'key'/'value'", required=False)
-        _get(lever, "hidden", where, integer(0), "an integer >= 0", required=False)
-    runtime = _get(data, "runtime", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
-    _get(runtime, "hold_back", "runtime", integer(1), "an integer >= 1", required=False)
-    _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-         and 0 <= v <= 1, "a number in [0, 1]", required=False)
-    _get(runtime, "recompute_by", "runtime", text, "a string", required=False)
-    _get(runtime, "sink", "runtime", lambda v: isinstance(v, bool), "true or false", required=False)
-    for key in ("bigram_pairs", "bigram_vocab"):
-        _get(runtime, key, "runtime", integer(0), "an integer >= 0", required=False)
-
-
 def is_artifact_dir(directory: Path) -> bool:
     """Whether ``directory`` holds a kvbridge mapper (its mapper.json says so), whatever state its files are in."""
     try:
@@ -223,12 +91,14 @@ def check_writable_artifact_dir(directory: str | Path) -> None:
     check_output_dir(directory.parent, "--out's parent folder")  # the new folder is made and swapped in there
 
 
-def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
-    """Write the artifact atomically; an existing folder at ``directory`` is replaced only on success.
+def write_artifact(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   run_report: dict[str, Any] | None = None) -> Path:
+    """Write ``mapper.safetensors`` (``tensors`` as given: CPU, contiguous), ``mapper.json`` (``config``),
+    ``checksums.sha256`` over those two and, if given, ``fit_report.json``; atomically.
 
-    Saves to one folder queue on a lock of its parent folder (POSIX, where the filesystem has locks),
-    so concurrent saves never interleave: the last one wins. Under that lock, leftovers of a save that
-    was killed are restored or removed first.
+    An existing folder at ``directory`` is replaced only on success. Saves to one folder queue on a lock
+    of its parent folder (POSIX, where the filesystem has locks), so concurrent saves never interleave:
+    the last one wins. Under that lock, leftovers of a save that was killed are restored or removed first.
     """
     directory = _artifact_path(directory)
     check_writable_artifact_dir(directory)
@@ -240,7 +110,7 @@ def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
             check_writable_artifact_dir(directory)  # again: another process may have written it meanwhile
             tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
             try:
-                _write_files(mapper, tmp)
+                _write_files(tmp, config, tensors, run_report)
                 _swap_in(tmp, directory)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -251,22 +121,21 @@ def save_mapper(mapper: Mapper, directory: str | Path) -> Path:
     return directory
 
 
-def _write_files(mapper: Mapper, tmp: Path) -> None:
+def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 run_report: dict[str, Any] | None) -> None:
     from safetensors.torch import save_file
 
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; an artifact folder follows the umask
-    tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
-               for name, t in mapper.weights.items()}
     # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{FORMAT_VERSION}"})
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{config.get('format_version')}"})
     with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
-        json.dump(config_to_json(mapper.config), handle, indent=2, sort_keys=False)
+        json.dump(config, handle, indent=2, sort_keys=False)
         handle.write("\n")
     lines = [f"{sha256_file(tmp / name)}  {name}\n" for name in (CONFIG_FILE, WEIGHTS_FILE)]
     (tmp / CHECKSUMS_FILE).write_text("".join(lines), encoding="utf-8")
     written = list(ARTIFACT_FILES)
-    if mapper.run_report:
-        (tmp / RUN_REPORT_FILE).write_text(json.dumps(mapper.run_report, indent=2) + "\n", encoding="utf-8")
+    if run_report:
+        (tmp / RUN_REPORT_FILE).write_text(json.dumps(run_report, indent=2) + "\n", encoding="utf-8")
         written.append(RUN_REPORT_FILE)
     for name in written:
         os.chmod(tmp / name, 0o666 & ~umask())  # safetensors writes 0600
@@ -366,7 +235,7 @@ def recover_interrupted_save(directory: str | Path) -> list[str]:
 
     ``directory`` is missing only when a save without rename-exchange was killed between its two
     renames: then an ``.old-`` folder holds the previous artifact and a complete ``.tmp-`` folder the
-    new one, which is restored (else the old one). Call with the parent's lock held (``save_mapper``
+    new one, which is restored (else the old one). Call with the parent's lock held (``write_artifact``
     does), so no leftover belongs to a live save. Returns what was done, one line each.
     """
     directory = Path(directory).expanduser().absolute()
@@ -435,61 +304,29 @@ def verify_artifact(directory: str | Path) -> list[str]:
     return problems
 
 
-def read_config(directory: str | Path) -> MapperConfig:
+def read_config_json(directory: str | Path) -> Any:
+    """The parsed ``mapper.json`` of an artifact folder (validation: :func:`kvbridge.schema.validate`)."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: not a mapper folder, or an incomplete artifact.")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ArtifactError(f"{path} cannot be read ({exc.strerror or exc}); check its permissions.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is not valid JSON ({exc}); the artifact is corrupted.") from None
     except RecursionError:
         raise ArtifactError(f"{path} is nested too deeply to be a mapper.json; the artifact is corrupted.") from None
-    return config_from_json(data)
 
 
-def load_mapper(
-    path_or_repo_id: str | Path,
-    revision: str | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    verify: bool = True,
-) -> Mapper:
-    """Load a mapper from a folder or a hub repo; see :meth:`Mapper.from_pretrained`.
-
-    Tensor names, shapes and dtypes are checked from the file's header before any tensor is read, so
-    a file with junk tensors costs no memory; tensors are then read one at a time onto ``device``.
-    """
-    from safetensors import SafetensorError, safe_open
-
+def resolve(path_or_repo_id: str | Path, revision: str | None = None, what: str = "mapper",
+            files: list[str] | None = None) -> Path:
+    """The local folder of an artifact: a folder as given, or a hub snapshot (``files`` downloaded)."""
     if not isinstance(path_or_repo_id, (str, os.PathLike)):
-        raise ArtifactError(f"a mapper is a folder or a hub id (a string), not {type(path_or_repo_id).__name__}.")
-    check_device(device, "mapper device")
+        raise ArtifactError(f"a {what} is a folder or a hub id (a string), not {type(path_or_repo_id).__name__}.")
     _missing_hint(path_or_repo_id)
-    directory, _ = snapshot(str(path_or_repo_id), revision, DOWNLOAD_FILES, ArtifactError, "mapper")
-    if verify:
-        problems = verify_artifact(directory)
-        if problems:
-            raise ArtifactError(
-                f"mapper at {directory} failed verification: {'; '.join(problems)}. Re-download or refit it; "
-                "nothing was loaded."
-            )
-    config = read_config(directory)
-    problems = check_weights(directory, config, values=False)
-    if problems:
-        raise ArtifactError(f"{directory / WEIGHTS_FILE} does not match {CONFIG_FILE}: {'; '.join(problems[:3])}. "
-                            "Re-download or refit the mapper; nothing was loaded.")
-    try:
-        with safe_open(str(directory / WEIGHTS_FILE), framework="pt", device=str(device)) as handle:
-            tensors = {}
-            for name in config.weight_shapes():
-                t = handle.get_tensor(name)
-                tensors[name] = t if dtype is None or keeps_dtype(name) else t.to(dtype)
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise ArtifactError(f"{directory / WEIGHTS_FILE} cannot be read onto {device} ({exc}).") from None
-    return Mapper(config, tensors, run_report=read_run_report(directory))
+    directory, _ = snapshot(str(path_or_repo_id), revision, files or DOWNLOAD_FILES, ArtifactError, what)
+    return Path(directory)
 
 
 def read_run_report(directory: str | Path) -> dict[str, Any]:
@@ -501,36 +338,44 @@ def read_run_report(directory: str | Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def check_weights(directory: str | Path, config: MapperConfig, values: bool = True) -> list[str]:
-    """Problems between the weights file and ``mapper.json``: names, shapes and dtypes from the header, then
-    (``values``) NaN/Inf read one tensor at a time."""
+def header_problems(directory: str | Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> list[str]:
+    """Differences between the weights file's header and the expected tensor names, shapes and dtype codes
+    (``F32``, ``I64``); reads the header only."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as handle:
             found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-            dtypes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
-            expected = config.weight_shapes()
-            problems = [f"missing tensor {n}" for n in sorted(set(expected) - set(found))]
-            problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(expected))]
-            problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in expected.items()
-                         if n in found and found[n] != s]
-            problems += [f"tensor {n} has dtype {dtypes[n]}, expected {'I64' if n in INTEGER_TENSORS else 'F32'}"
-                         for n in expected if n in dtypes and dtypes[n] != ("I64" if n in INTEGER_TENSORS else "F32")]
-            if values and not problems:  # one tensor at a time: memory stays at the largest tensor
-                problems += [f"tensor {n} holds NaN or Inf" for n in expected if n not in INTEGER_TENSORS
-                             and not bool(torch.isfinite(handle.get_tensor(n)).all())]
+            codes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
     except (SafetensorError, OSError) as exc:
         return [f"{WEIGHTS_FILE} cannot be read ({exc})"]
+    problems = [f"missing tensor {n}" for n in sorted(set(shapes) - set(found))]
+    problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(shapes))]
+    problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in shapes.items()
+                 if n in found and found[n] != s]
+    problems += [f"tensor {n} has dtype {codes[n]}, expected {dtypes[n]}" for n in shapes
+                 if n in codes and codes[n] != dtypes[n]]
     return problems
 
 
-def check_artifact(directory: str | Path) -> list[str]:
-    """Every problem ``kvbridge verify`` reports: files and checksums, then mapper.json and tensor shapes."""
-    problems = verify_artifact(directory)
-    if problems:
-        return problems
+def nonfinite_tensors(directory: str | Path, names: list[str]) -> list[str]:
+    """The tensors among ``names`` holding NaN or Inf, read one at a time (memory: the largest tensor)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        return check_weights(directory, read_config(directory))
-    except ArtifactError as exc:
-        return [str(exc)]
+        with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as handle:
+            return [n for n in names if not bool(torch.isfinite(handle.get_tensor(n)).all())]
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"{Path(directory) / WEIGHTS_FILE} cannot be read ({exc}).") from None
+
+
+def load_tensors(directory: str | Path, names: list[str], device: str | torch.device, cast) -> dict[str, torch.Tensor]:
+    """Read ``names`` one at a time onto ``device``, each passed through ``cast(name, tensor)``."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(directory) / WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            return {name: cast(name, handle.get_tensor(name)) for name in names}
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ArtifactError(f"{path} cannot be read onto {device} ({exc}).") from None

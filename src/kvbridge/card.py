@@ -28,14 +28,12 @@ from .artifact import (
     CONFIG_FILE,
     RUN_REPORT_FILE,
     WEIGHTS_FILE,
-    check_artifact,
-    read_config,
     read_run_report,
 )
 from .errors import ArtifactError, InputError, KVBridgeError
 from .hashing import sha256_file
 from .hub import is_hub_id
-from .mapper import MapperConfig
+from .mapper import MapperConfig, check_mapper, read_config
 from .outputs import write_text
 
 CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE = CARD_FILES
@@ -398,7 +396,7 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
         raise InputError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
     if not isinstance(license_id, str) or not license_id.strip():
         raise InputError("--license must name a license (e.g. mit, apache-2.0, other).")
-    problems = check_artifact(folder)
+    problems = check_mapper(folder)
     if problems:
         raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was written. "
                             "Refit or re-download the mapper first.")

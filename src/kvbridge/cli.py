@@ -283,8 +283,9 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_fit(args) -> int:
-    from .artifact import check_artifact, check_writable_artifact_dir
+    from .artifact import check_writable_artifact_dir
     from .fit import FitConfig, fit_mapper
+    from .mapper import check_mapper
     from .models import check_device, load_model, resolve_dtype
     from .stats import read_texts
 
@@ -302,7 +303,7 @@ def _cmd_fit(args) -> int:
     target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
     mapper = fit_mapper(source, target, texts, config, progress=not args.quiet)
     mapper.save_pretrained(out)
-    problems = check_artifact(out)
+    problems = check_mapper(out)
     if problems:
         raise KVBridgeError(f"the artifact written to {out} does not verify: {'; '.join(problems)}")
     f, run = mapper.config.fit, mapper.run_report
@@ -555,12 +556,10 @@ def _cmd_lm_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from .artifact import CONFIG_FILE, DOWNLOAD_FILES, _missing_hint, config_to_json, read_config, read_run_report
-    from .errors import ArtifactError
-    from .hub import snapshot
+    from .artifact import CONFIG_FILE, read_run_report, resolve
+    from .mapper import read_config
 
-    _missing_hint(args.mapper)
-    directory, _ = snapshot(args.mapper, args.revision, DOWNLOAD_FILES, ArtifactError, "mapper")
+    directory = resolve(args.mapper, args.revision)
     config = read_config(directory)
     run = read_run_report(directory)
     missing = [n for n in ("mapper.safetensors", "checksums.sha256") if not (Path(directory) / n).is_file()]
@@ -570,7 +569,7 @@ def _cmd_inspect(args) -> int:
     if args.json:
         print((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"), end="")
         return 0
-    data = config_to_json(config)
+    data = config.to_dict()
     f = config.fit
     print(f"mapper    {directory}")
     for role in ("source", "target"):
@@ -601,13 +600,11 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, _missing_hint, check_artifact, leftovers
-    from .errors import ArtifactError
-    from .hub import snapshot
+    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, leftovers, resolve
+    from .mapper import check_mapper
 
-    _missing_hint(args.mapper)
-    directory, _ = snapshot(args.mapper, args.revision, ARTIFACT_FILES, ArtifactError, "mapper")
-    problems = check_artifact(directory)
+    directory = resolve(args.mapper, args.revision, files=ARTIFACT_FILES)
+    problems = check_mapper(directory)
     for p in leftovers(directory):
         print(f"NOTE  {p.name} beside it is left from an interrupted save; the next save there removes it",
               file=sys.stderr)
@@ -636,15 +633,16 @@ def _cmd_card(args) -> int:
 
 
 def _cmd_push(args) -> int:
-    from .artifact import KNOWN_FILES, check_artifact
+    from .artifact import KNOWN_FILES
     from .card import CARD_FILE
     from .errors import ArtifactError
     from .hub import push_folder
+    from .mapper import check_mapper
 
     folder = Path(args.mapper)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
-    problems = check_artifact(folder)
+    problems = check_mapper(folder)
     if problems:
         raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was pushed.")
     files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())

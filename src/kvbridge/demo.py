@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from . import family
-from .artifact import check_artifact, check_writable_artifact_dir
+from .artifact import check_writable_artifact_dir
 from .bench import bench_table, run_bench
 from .card import write_card
 from .errors import KVBridgeError
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
-from .mapper import Mapper
+from .mapper import Mapper, check_mapper
 from .outputs import check_output_dir, write_text
 from .transfer import Bridge
 
@@ -97,7 +97,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True)
     root = Path(out or tmp.name)
     artifact = root / "mapper"
     mapper.save_pretrained(artifact)
-    problems = check_artifact(artifact)
+    problems = check_mapper(artifact)
     if problems:
         raise KVBridgeError(f"demo artifact does not verify: {problems}")
     bridge = Bridge(source, target, Mapper.from_pretrained(str(artifact)))

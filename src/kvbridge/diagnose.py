@@ -22,24 +22,10 @@ import torch.nn.functional as F
 
 from .evaluate import family_tasks, heldout_rows, mean_retention
 from .fit import heldout_r2
-from .models import cache_kv, make_cache, positions_from_mask, prefill
+from .models import attention_queries, cache_kv, make_cache, positions_from_mask, prefill
 from .outputs import save_figure
-from .rope import apply_rope, query_scale, rotary_factors
+from .rope import rotary_factors
 from .transfer import Bridge
-
-
-def _queries(model, hidden: torch.Tensor, layer: int, cos, sin, positions) -> torch.Tensor:
-    """(B, H, T, D) queries of ``layer`` from its input hidden states, exactly as the model forms them."""
-    block = model.get_decoder().layers[layer]
-    attn = block.self_attn
-    x = block.input_layernorm(hidden)
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):  # Qwen3 normalises queries per head before RoPE
-        q = attn.q_norm(q)
-    q = apply_rope(q.transpose(1, 2).float(), cos, sin)
-    scale = query_scale(model, positions)
-    return q if scale is None else q * scale.to(q.device)
 
 
 def _attend(q, k, v) -> torch.Tensor:
@@ -72,7 +58,7 @@ def attention_cosine(bridge: Bridge, rows: torch.Tensor) -> list[float]:
     cos, sin = rotary_factors(model, positions)
     out = []
     for layer in range(len(nk)):
-        q = _queries(model, hidden_in[layer], layer, cos, sin, positions)
+        q = attention_queries(model, hidden_in[layer], layer, cos, sin, positions)
         a, b = _attend(q, nk[layer], nv[layer]), _attend(q, mk[layer].to(device), mv[layer].to(device))
         out.append(float(F.cosine_similarity(a, b, dim=-1).mean()))
     return out

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import FitError, InputError
+from .errors import InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
 from .models import LoadedModel, prefill_content
 from .recompute import CRITERIA
@@ -36,14 +36,14 @@ from .stats import (
     calibration_sequences,
     collect_statistics,
     iter_batches,
+    pooled_r2,
+    ridge_solve,
     split_heldout_documents,
 )
 
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
 MAX_WIDTH = 65_536  # widest residual MLP a fit accepts (the published geometry's features: 1,024)
 MAX_RIDGE = 1e3  # relative ridge: at 1e3 the map keeps about a thousandth of the signal
-_MAX_RIDGE_RAISES = 12
-_MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
 
 
 @dataclass(frozen=True)
@@ -182,48 +182,17 @@ def _feature_index(layers: tuple[int, ...], features: int, device) -> torch.Tens
     return torch.cat([torch.arange(l * features, (l + 1) * features, device=device) for l in layers])
 
 
-def _cholesky_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
-    """Solve (A + λ I) W = rhs with λ = ridge · mean(diag A), raising λ if A + λI is not PD."""
-    scale = float(torch.diagonal(a).mean())
-    if not torch.isfinite(a).all() or not torch.isfinite(rhs).all():
-        raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
-                       "(try --dtype float32).")
-    if scale <= 0:
-        raise FitError("the selected source features have zero variance on the calibration data; "
-                       "use more varied texts.")
-    lam = ridge * scale
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    for _ in range(_MAX_RIDGE_RAISES):
-        factor, info = torch.linalg.cholesky_ex(a + lam * eye)
-        if int(info) == 0:
-            # A factorisation can "succeed" on a numerically singular matrix and return huge weights;
-            # the squared pivot ratio estimates the reciprocal condition number cheaply.
-            pivots = torch.diagonal(factor)
-            if float((pivots.min() / pivots.max()) ** 2) > _MIN_RCOND:
-                w = torch.cholesky_solve(rhs, factor)
-                if torch.isfinite(w).all():
-                    return w, lam / scale
-        lam = max(lam * 10.0, 1e-10 * scale)
-    raise FitError(f"the Gram matrix stays singular even with ridge {lam / scale:.1e}; pass a larger --ridge.")
-
-
-def _pooled_r2(w: torch.Tensor, c: torch.Tensor, gw: torch.Tensor, sst: torch.Tensor) -> float:
-    """In-sample R² of ŷ = (x − x̄)W for one target layer from statistics: w, c, gw = G·w (F, Ft)."""
-    sse = sst - 2 * (w * c).sum() + (w * gw).sum()
-    return float(1.0 - sse / sst) if sst > 0 else float("nan")
-
-
 def single_layer_r2(stats: KVStats, fs: int, ls: int, ft: int, lt: int, ridge: float) -> torch.Tensor:
     """(Ls, Lt) in-sample ridge R² of predicting each target layer from each single source layer."""
     scores = torch.empty(ls, lt, dtype=torch.float64)
     for s in range(ls):
         rows = _layer_slice(s, fs)
         g = stats.gram[rows, rows]
-        w, _ = _cholesky_solve(g, stats.cross[rows], ridge)  # (Fs, Lt·Ft)
+        w, _ = ridge_solve(g, stats.cross[rows], ridge)  # (Fs, Lt·Ft)
         gw = g @ w
         for l in range(lt):
             cols = _layer_slice(l, ft)
-            scores[s, l] = _pooled_r2(w[:, cols], stats.cross[rows, cols], gw[:, cols], stats.ssq_y[cols].sum())
+            scores[s, l] = pooled_r2(w[:, cols], stats.cross[rows, cols], gw[:, cols], stats.ssq_y[cols].sum())
     return scores
 
 
@@ -264,11 +233,11 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
             g = s.gram.index_select(0, idx).index_select(1, idx)
             cols = torch.cat([torch.arange(l * ft, (l + 1) * ft, device=s.gram.device) for l in targets])
             c = s.cross.index_select(0, idx).index_select(1, cols)
-            w, effective = _cholesky_solve(g, c, ridge)  # (S·Fs, n·Ft) float64
+            w, effective = ridge_solve(g, c, ridge)  # (S·Fs, n·Ft) float64
             gw = g @ w
             for i, l in enumerate(targets):
                 block = slice(i * ft, (i + 1) * ft)
-                r2[l] = _pooled_r2(w[:, block], c[:, block], gw[:, block], s.ssq_y[_layer_slice(l, ft)].sum())
+                r2[l] = pooled_r2(w[:, block], c[:, block], gw[:, block], s.ssq_y[_layer_slice(l, ft)].sum())
                 used_ridge[l] = effective
                 wl = w[:, block]
                 bias = s.mean_y[_layer_slice(l, ft)] - s.mean_x.index_select(0, idx) @ wl

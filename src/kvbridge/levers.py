@@ -49,11 +49,11 @@ MAX_WEIGHT = 10.0  # attention weighting: no token counts more than this many av
 def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tensor, positions) -> torch.Tensor:
     """(B, T) attention mass each token's key receives in ``layer`` (summed over later queries, mean over
     heads), divided by its mean over the row: 1 = an average token."""
-    from .diagnose import _queries
+    from .models import attention_queries
     from .rope import apply_rope, rotary_factors
 
     cos, sin = rotary_factors(model, positions)
-    q = _queries(model, hidden, layer, cos, sin, positions)  # (B, H, T, D), RoPE and query scaling applied
+    q = attention_queries(model, hidden, layer, cos, sin, positions)  # (B, H, T, D), RoPE and query scaling applied
     k = apply_rope(keys.float(), cos, sin).repeat_interleave(q.shape[1] // keys.shape[1], 1)  # (B, H, T, D)
     t = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # (B, H, T, T)
@@ -106,7 +106,7 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     """
     from tqdm.auto import tqdm
 
-    from .fit import _cholesky_solve, _pooled_r2
+    from .stats import pooled_r2, ridge_solve
 
     fs, ft = source.info.kv_features, target.info.kv_features
     specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags) for v in levers}
@@ -132,12 +132,12 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     for lever in levers:
         key, name = (lever.kind, lever.layer), f"{lever.kind}.{lever.layer}"
         s = stats[key]
-        w, used = _cholesky_solve(s.gram, s.cross, ridge)  # (F_in, Ft) float64
+        w, used = ridge_solve(s.gram, s.cross, ridge)  # (F_in, Ft) float64
         bias = s.mean_y - s.mean_x @ w
         weights[f"{name}.weight"] = w.float().cpu().contiguous()
         weights[f"{name}.bias"] = bias.float().cpu().contiguous()
         report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "weighting": weighting,
-                        "ridge_used": used, "r2_fit_linear": _pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
+                        "ridge_used": used, "r2_fit_linear": pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
         if lever.hidden:
             x = torch.cat([a for a, _ in kept[key]])  # (N, F_in)
             residual = torch.cat([b for _, b in kept.pop(key)])  # (N, Ft): the native target features ...

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from . import artifact, schema
 from .errors import ArtifactError
 from .models import ModelInfo, check_matches, check_same_tokenizer
 from .recompute import CRITERIA
@@ -214,6 +216,48 @@ class MapperConfig:
     def num_parameters(self) -> int:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
+    def tensor_dtypes(self) -> dict[str, str]:
+        """Name → safetensors dtype code of every tensor on disk: float32 weights, int64 table keys."""
+        return {name: "I64" if name in INTEGER_TENSORS else "F32" for name in self.weight_shapes()}
+
+    # -- mapper.json (the format's name, version and validation: kvbridge.schema) ---------------
+    def to_dict(self) -> dict[str, Any]:
+        from . import __version__
+
+        return {
+            "format": schema.FORMAT,
+            "format_version": schema.FORMAT_VERSION,
+            "kvbridge_version": __version__,
+            "source": self.source.to_dict(),
+            "target": self.target.to_dict(),
+            "feature_layout": schema.FEATURE_LAYOUT,
+            "selection": {kind: [list(layers) for layers in self.selection[kind]] for kind in self.selection},
+            "levers": [lever.to_dict() for lever in self.levers],
+            "runtime": self.runtime.to_dict(),
+            "num_parameters": self.num_parameters(),
+            "weights_dtype": "float32",  # runtime tables: recompute.bigram.keys int64, counts float32
+            "fit": self.fit,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MapperConfig:
+        """A validated config from parsed mapper.json; a malformed field is one ArtifactError that names it.
+        Unknown keys are ignored (newer files still load); version-1 files read as plain maps."""
+        schema.validate(data)
+        version = data["format_version"]
+        try:
+            return cls(
+                source=ModelInfo.from_dict(data["source"]),
+                target=ModelInfo.from_dict(data["target"]),
+                selection={k: tuple(tuple(layers) for layers in data["selection"][k]) for k in KINDS},
+                fit=dict(data.get("fit", {})),
+                levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])) if version >= 2 else (),
+                runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # validate() should have named it: a last defence
+            raise ArtifactError(f"{schema.CONFIG_FILE} is incomplete or malformed ({exc!r}); "
+                                "re-download or refit the mapper.") from None
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -380,16 +424,37 @@ class Mapper:
         dtype: torch.dtype | None = None,
         verify: bool = True,
     ) -> Mapper:
-        """Load a mapper folder or hub repo; checksums and shapes are verified before any tensor is used."""
-        from .artifact import load_mapper
+        """Load a mapper folder or hub repo.
 
-        return load_mapper(path_or_repo_id, revision=revision, device=device, dtype=dtype, verify=verify)
+        Checksums are verified before anything is parsed (``verify``), every field of mapper.json is
+        validated, tensor names, shapes and dtypes are compared from the file's header before any tensor
+        is read (a file with junk tensors costs no memory), then tensors are read one at a time onto
+        ``device`` (and cast to ``dtype``, residual MLPs and tables excepted).
+        """
+        from .models import check_device
 
-    def save_pretrained(self, directory: str) -> None:
-        """Write ``mapper.safetensors`` (float32), ``mapper.json`` and ``checksums.sha256`` atomically."""
-        from .artifact import save_mapper
+        check_device(device, "mapper device")
+        directory = artifact.resolve(path_or_repo_id, revision, "mapper")
+        if verify:
+            problems = artifact.verify_artifact(directory)
+            if problems:
+                raise ArtifactError(f"mapper at {directory} failed verification: {'; '.join(problems)}. "
+                                    "Re-download or refit it; nothing was loaded.")
+        config = read_config(directory)
+        problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes())
+        if problems:
+            raise ArtifactError(f"{directory / artifact.WEIGHTS_FILE} does not match {schema.CONFIG_FILE}: "
+                                f"{'; '.join(problems[:3])}. Re-download or refit the mapper; nothing was loaded.")
+        tensors = artifact.load_tensors(directory, list(config.weight_shapes()), device,
+                                        lambda name, t: t if dtype is None or keeps_dtype(name) else t.to(dtype))
+        return cls(config, tensors, run_report=artifact.read_run_report(directory))
 
-        save_mapper(self, directory)
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``mapper.safetensors`` (float32, the bigram keys int64), ``mapper.json``, ``checksums.sha256``
+        and the fit's ``fit_report.json`` atomically (see :func:`kvbridge.artifact.write_artifact`)."""
+        tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
+                   for name, t in self.weights.items()}
+        return artifact.write_artifact(directory, self.config.to_dict(), tensors, self.run_report)
 
     def check_models(self, source: ModelInfo, target: ModelInfo, allow_revision_mismatch: bool = False) -> None:
         """Refuse a source/target pair this mapper was not fitted for (see :func:`models.check_matches`)."""
@@ -452,3 +517,25 @@ class Mapper:
             for i, layer in enumerate(group.targets):
                 out[layer] = y[:, :, i].transpose(1, 2)  # (B, Ht, T, Dt)
         return out  # type: ignore[return-value]
+
+
+def read_config(directory: str | Path) -> MapperConfig:
+    """The validated config of the mapper folder ``directory``."""
+    return MapperConfig.from_dict(artifact.read_config_json(directory))
+
+
+def check_mapper(directory: str | Path) -> list[str]:
+    """Every problem ``kvbridge verify`` reports: files and checksums, then mapper.json, then tensor names,
+    shapes and dtypes from the header, then NaN/Inf read one tensor at a time."""
+    problems = artifact.verify_artifact(directory)
+    if problems:
+        return problems
+    try:
+        config = read_config(directory)
+    except ArtifactError as exc:
+        return [str(exc)]
+    problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes())
+    if problems:
+        return problems
+    floats = [name for name, code in config.tensor_dtypes().items() if code != "I64"]
+    return [f"tensor {name} holds NaN or Inf" for name in artifact.nonfinite_tensors(directory, floats)]

@@ -363,3 +363,19 @@ def prefill_content(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     position_ids = positions_from_mask(attention_mask)
     cache, _ = prefill(model, input_ids, attention_mask, position_ids, logits="none")
     return (*content_kv(model, cache, position_ids), position_ids)
+
+
+def attention_queries(model, hidden: torch.Tensor, layer: int, cos, sin, positions) -> torch.Tensor:
+    """(B, H, T, D) queries of ``layer`` from its input hidden states, exactly as the model forms them."""
+    block = model.get_decoder().layers[layer]
+    attn = block.self_attn
+    x = block.input_layernorm(hidden)
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises queries per head before RoPE
+        q = attn.q_norm(q)
+    from .rope import apply_rope, query_scale
+
+    q = apply_rope(q.transpose(1, 2).float(), cos, sin)
+    scale = query_scale(model, positions)
+    return q if scale is None else q * scale.to(q.device)

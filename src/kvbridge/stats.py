@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from .errors import FitError, InputError
 from .mapper import layer_features
 from .models import LoadedModel, prefill_content
 
@@ -271,3 +271,39 @@ def collect_statistics(
             bar.update(batch.shape[0])
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+# -- the closed-form solve on these statistics (fit and levers) -----------------------------------
+_MAX_RIDGE_RAISES = 12
+_MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
+
+
+def ridge_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
+    """Solve (A + λ I) W = rhs with λ = ridge · mean(diag A), raising λ if A + λI is not PD."""
+    scale = float(torch.diagonal(a).mean())
+    if not torch.isfinite(a).all() or not torch.isfinite(rhs).all():
+        raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
+                       "(try --dtype float32).")
+    if scale <= 0:
+        raise FitError("the selected source features have zero variance on the calibration data; "
+                       "use more varied texts.")
+    lam = ridge * scale
+    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    for _ in range(_MAX_RIDGE_RAISES):
+        factor, info = torch.linalg.cholesky_ex(a + lam * eye)
+        if int(info) == 0:
+            # A factorisation can "succeed" on a numerically singular matrix and return huge weights;
+            # the squared pivot ratio estimates the reciprocal condition number cheaply.
+            pivots = torch.diagonal(factor)
+            if float((pivots.min() / pivots.max()) ** 2) > _MIN_RCOND:
+                w = torch.cholesky_solve(rhs, factor)
+                if torch.isfinite(w).all():
+                    return w, lam / scale
+        lam = max(lam * 10.0, 1e-10 * scale)
+    raise FitError(f"the Gram matrix stays singular even with ridge {lam / scale:.1e}; pass a larger --ridge.")
+
+
+def pooled_r2(w: torch.Tensor, c: torch.Tensor, gw: torch.Tensor, sst: torch.Tensor) -> float:
+    """In-sample R² of ŷ = (x − x̄)W for one target layer from statistics: w, c, gw = G·w (F, Ft)."""
+    sse = sst - 2 * (w * c).sum() + (w * gw).sum()
+    return float(1.0 - sse / sst) if sst > 0 else float("nan")
