@@ -6,23 +6,35 @@ cache of a larger target model of the same family, and the target continues with
 
 __version__ = "0.1.0"
 
-from .errors import KVBridgeError  # noqa: E402
-from .mapper import Mapper  # noqa: E402
+from .errors import (  # noqa: E402  (after __version__: modules read it)
+    ArtifactError,
+    CompatibilityError,
+    FitError,
+    InputError,
+    KVBridgeError,
+    ModelLoadError,
+    NumericalError,
+    UnsupportedModelError,
+)
+from .fit import FitConfig, fit_mapper  # noqa: E402
+from .mapper import Mapper, MapperConfig  # noqa: E402
+from .models import load_model  # noqa: E402
+from .transfer import Bridge  # noqa: E402
 
-__all__ = ["Mapper", "KVBridgeError", "__version__"]
-
-
-def __getattr__(name):  # lazy: keep `import kvbridge` light
-    if name == "Bridge":
-        from .transfer import Bridge
-
-        return Bridge
-    if name in ("fit_mapper", "FitConfig"):
-        from . import fit
-
-        return getattr(fit, name)
-    if name == "load_model":
-        from .models import load_model
-
-        return load_model
-    raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
+__all__ = [
+    "ArtifactError",
+    "Bridge",
+    "CompatibilityError",
+    "FitConfig",
+    "FitError",
+    "InputError",
+    "KVBridgeError",
+    "Mapper",
+    "MapperConfig",
+    "ModelLoadError",
+    "NumericalError",
+    "UnsupportedModelError",
+    "__version__",
+    "fit_mapper",
+    "load_model",
+]

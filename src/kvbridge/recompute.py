@@ -137,3 +137,26 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
         new_k.append(k.scatter(2, idx, fk[:, :, t:].to(k.dtype)))  # (B, H, T, D)
         new_v.append(v.scatter(2, idx, fv[:, :, t:].to(v.dtype)))
     return make_cache(model, new_k, new_v)
+
+
+@torch.no_grad()
+def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor):
+    """The mapped cache of a left-padded batch with ``bridge.recompute`` of its prefix tokens (and the sink)
+    recomputed by the target: source prefill (with what the criterion needs), map, choose, recompute."""
+    from .models import positions_from_mask, prefill
+
+    source = bridge.source.model
+    positions = positions_from_mask(mask)
+    if bridge.recompute_by == "surprisal":
+        source_cache, logits = prefill(source, ids, mask, positions, logits="all")
+        scores = surprisal(logits, ids)
+    elif bridge.recompute_by == "logit":
+        source_cache, hidden = prefill(source, ids, mask, positions, logits="hidden")
+        scores = negative_logit(source, hidden, ids)
+    else:
+        source_cache = prefill(source, ids, mask, positions, logits="none")[0]
+        scores = bigram_surprisal(ids, bridge.mapper.weights)
+    cache = bridge.map_cache(source_cache, positions)
+    after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
+    columns = choose_columns(scores.masked_fill(after_pad, 0.0), mask, bridge.recompute, bridge.sink)
+    return recompute_columns(bridge.target.model, cache, ids, mask, positions, columns)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -27,7 +27,16 @@ from .models import (
     positions_from_mask,
     prefill,
 )
-from .recompute import CRITERIA
+from .prompts import (
+    check_batch,
+    check_generation,
+    check_ids,
+    check_text,
+    encode_prompts,
+    pad_rows,
+    pad_token_id,
+)
+from .recompute import CRITERIA, selective_recompute
 from .rope import apply_rope, remove_rope, rotary_factors
 
 Mode = Literal["mapped", "native", "source"]
@@ -59,33 +68,6 @@ def _score_row(logprobs: torch.Tensor, continuation: list[int]) -> Score:
     return Score(float(logprobs.gather(1, target[:, None]).sum()), bool(hits.all()), int(hits.sum()), len(target))
 
 
-def check_text(text: Any, what: str) -> None:
-    """Refuse what is not text a tokenizer can read: non-strings, and strings with undecodable bytes (a
-    command line or file read with ``surrogateescape`` keeps a non-UTF-8 byte as a lone surrogate)."""
-    if not isinstance(text, str):
-        raise InputError(f"{what} must be a string, not {type(text).__name__}.")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InputError(f"{what} is not valid UTF-8 text (an undecodable byte at character {exc.start}); "
-                         "pass UTF-8 text.") from None
-
-
-def check_generation(max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
-    """Refuse generation settings transformers would reject deep inside ``generate`` (or silently misuse)."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an integer >= 1, not {max_new_tokens!r}.")
-    if kwargs.get("do_sample"):
-        temperature, top_p, top_k = kwargs.get("temperature"), kwargs.get("top_p"), kwargs.get("top_k")
-        if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
-            raise InputError(f"temperature must be a number > 0 when sampling, not {temperature!r} "
-                             "(for greedy decoding, do not sample).")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise InputError(f"top_p must be in (0, 1], not {top_p!r}.")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
-            raise InputError(f"top_k must be an integer >= 0, not {top_k!r}.")
-
-
 @torch.no_grad()
 def score_plain(model, context: list[int], continuation: list[int]) -> Score:
     """``model`` scores ``continuation`` after ``context`` in one forward pass, no cache and no transfer."""
@@ -99,6 +81,44 @@ class Generation:
     texts: list[str]
     token_ids: list[list[int]]
     seconds: float
+
+
+@torch.no_grad()
+def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, positions: torch.Tensor,
+                     chunk_tokens: int = 1024):
+    """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``.
+
+    Tokens are mapped in chunks of ``chunk_tokens`` straight into preallocated target
+    tensors, so the transient memory beyond the output cache is one chunk's features, not a
+    copy of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE
+    depends on the full length).
+    """
+    src_k, src_v = cache_kv(source_cache)
+    batch, _, tokens, _ = src_k[0].shape
+    t_cfg = mapper.config.target
+    device = next(target_model.parameters()).device
+    dtype = next(target_model.parameters()).dtype
+    shape = (batch, t_cfg.num_kv_heads, tokens, t_cfg.head_dim)
+    out_k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_cfg.num_layers)]
+    out_v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_cfg.num_layers)]
+    s_cos, s_sin = rotary_factors(source_model, positions.to(src_k[0].device))  # (B, T, Ds)
+    t_cos, t_sin = rotary_factors(target_model, positions.to(device))  # (B, T, Dt)
+    m_dev, lag = mapper.device, mapper.max_lag
+    for t0 in range(0, tokens, chunk_tokens):
+        sl = slice(t0, min(t0 + chunk_tokens, tokens))
+        src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
+        keys = [remove_rope(k[:, :, src].float(), s_cos[:, src], s_sin[:, src]).to(m_dev) for k in src_k]
+        mk, mv = mapper.map(keys, [v[:, :, src].to(m_dev) for v in src_v],
+                                 positions[:, src].to(m_dev) if lag else None, past=t0 - src.start)
+        for layer in range(t_cfg.num_layers):
+            out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
+            out_v[layer][:, :, sl] = mv[layer]
+    # one sum per tensor and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose
+    # sum overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
+    if not bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in out_k + out_v])).all()):
+        raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
+                             "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
+    return make_cache(target_model, out_k, out_v)
 
 
 class Bridge:
@@ -162,75 +182,23 @@ class Bridge:
         return cls(s, t, m, hold_back, allow_revision_mismatch, recompute=recompute, sink=sink,
                    recompute_by=recompute_by)
 
-    # -- inputs ------------------------------------------------------------------------------
-    def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}.")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InputError(f"prompts must be a string or a list of strings, not {type(prompts).__name__}.")
-        if not prompts:
-            raise InputError("no prompt given.")
-        rows = []
-        for i, prompt in enumerate(prompts):
-            check_text(prompt, f"prompt {i}")
-            if not prompt.strip():
-                raise InputError(f"prompt {i} is empty; give the context to prefill.")
-            rows.append(self.tokenizer(prompt, verbose=False)["input_ids"])  # length is checked below, in one line
-        return self.pad(rows, max_new_tokens)
+    # -- inputs (kvbridge.prompts) -------------------------------------------------------------
+    @property
+    def vocab(self) -> int:
+        return min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
 
     @property
     def max_positions(self) -> int:
         """Positions both models support (prompt plus generated or scored tokens)."""
         return min(self.source.info.max_positions or 10**12, self.target.info.max_positions or 10**12)
 
-    def _check_ids(self, rows: list[list[int]], what: str) -> None:
-        vocab = min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
-        for i, row in enumerate(rows):
-            if not isinstance(row, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in row):
-                raise InputError(f"{what} {i} must be a list of integer token ids.")
-            if row and (min(row) < 0 or max(row) >= vocab):
-                raise InputError(f"{what} {i} holds token ids outside the vocabulary [0, {vocab}); "
-                                 "encode text with the models' own tokenizer.")
-
-    def _check_batch(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """A left-padded batch as :meth:`pad` makes it: (B, T) integer ids in the vocabulary, a 0/1 mask alike."""
-        if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor):
-            raise InputError("ids and mask must be tensors (B, T); Bridge.encode or Bridge.pad makes them.")
-        if ids.dim() != 2 or ids.shape != mask.shape or ids.is_floating_point() or ids.shape[1] < 2:
-            raise InputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be integer tensors of one "
-                             "shape (B, T) with T >= 2; Bridge.encode or Bridge.pad makes them.")
-        vocab = min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise InputError(f"ids hold token ids outside the vocabulary [0, {vocab}).")
+    def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
+        return encode_prompts(self.tokenizer, prompts, self.vocab, self.max_positions, max_new_tokens)
 
     def pad(self, rows: list[list[int]], max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        limit = self.max_positions
-        self._check_ids(rows, "prompt")
-        for i, row in enumerate(rows):
-            if len(row) < 2:
-                raise InputError(
-                    f"prompt {i} has {len(row)} token; a transfer needs at least 2 (the source prefills the first, "
-                    "the target reads the last). Give a longer prompt."
-                )
-            if len(row) + max_new_tokens > limit:
-                raise InputError(
-                    f"prompt {i} has {len(row)} tokens (+{max_new_tokens} to generate), more than the {limit} "
-                    "positions these models support. Shorten the prompt or generate fewer tokens."
-                )
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
-        return ids, mask
+        """Left-padded ids and mask (B, T) of token-id rows."""
+        return pad_rows(rows, pad_token_id(self.tokenizer), self.vocab, self.max_positions, max_new_tokens)
 
     # -- caches ------------------------------------------------------------------------------
     def held_back(self, mask: torch.Tensor) -> int:
@@ -257,68 +225,23 @@ class Bridge:
         positions = positions_from_mask(mask)
         return prefill(self.source.model, ids, mask, positions, logits="none")[0], positions
 
-    @torch.no_grad()
     def map_cache(self, source_cache, positions: torch.Tensor):
-        """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``.
-
-        Tokens are mapped in chunks of ``self.chunk_tokens`` straight into preallocated target
-        tensors, so the transient memory beyond the output cache is one chunk's features, not a
-        copy of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE
-        depends on the full length).
-        """
-        src_k, src_v = cache_kv(source_cache)
-        batch, _, tokens, _ = src_k[0].shape
-        t_info, device = self.target.info, self.target.device
-        dtype = next(self.target.model.parameters()).dtype
-        shape = (batch, t_info.num_kv_heads, tokens, t_info.head_dim)
-        out_k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_info.num_layers)]
-        out_v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_info.num_layers)]
-        s_cos, s_sin = rotary_factors(self.source.model, positions.to(src_k[0].device))  # (B, T, Ds)
-        t_cos, t_sin = rotary_factors(self.target.model, positions.to(device))  # (B, T, Dt)
-        m_dev, lag = self.mapper.device, self.mapper.max_lag
-        for t0 in range(0, tokens, self.chunk_tokens):
-            sl = slice(t0, min(t0 + self.chunk_tokens, tokens))
-            src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
-            keys = [remove_rope(k[:, :, src].float(), s_cos[:, src], s_sin[:, src]).to(m_dev) for k in src_k]
-            mk, mv = self.mapper.map(keys, [v[:, :, src].to(m_dev) for v in src_v],
-                                     positions[:, src].to(m_dev) if lag else None, past=t0 - src.start)
-            for layer in range(t_info.num_layers):
-                out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
-                out_v[layer][:, :, sl] = mv[layer]
-        # one sum per tensor and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose
-        # sum overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
-        if not bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in out_k + out_v])).all()):
-            raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
-                                 "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
-        return make_cache(self.target.model, out_k, out_v)
+        """Source cache → target ``DynamicCache`` (see :func:`map_source_cache`)."""
+        return map_source_cache(self.source.model, self.target.model, self.mapper, source_cache, positions,
+                                self.chunk_tokens)
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
         ``recompute``/``sink``, the target's recompute of the chosen tokens)."""
         if not self.selects_tokens:
             return self.map_cache(*self.source_prefill(ids, mask))
-        from .recompute import bigram_surprisal, choose_columns, negative_logit, recompute_columns, surprisal
-
-        positions = positions_from_mask(mask)
-        if self.recompute_by == "surprisal":
-            source_cache, logits = prefill(self.source.model, ids, mask, positions, logits="all")
-            scores = surprisal(logits, ids)
-        elif self.recompute_by == "logit":
-            source_cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden")
-            scores = negative_logit(self.source.model, hidden, ids)
-        else:
-            source_cache = self.source_prefill(ids, mask)[0]
-            scores = bigram_surprisal(ids, self.mapper.weights)
-        cache = self.map_cache(source_cache, positions)
-        after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
-        columns = choose_columns(scores.masked_fill(after_pad, 0.0), mask, self.recompute, self.sink)
-        return recompute_columns(self.target.model, cache, ids, mask, positions, columns)
+        return selective_recompute(self, ids, mask)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
         """The model that continues and its cache over all but the last :meth:`held_back` columns."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
-        self._check_batch(ids, mask)
+        check_batch(ids, mask, self.vocab)
         cut = ids.shape[1] - self.held_back(mask)
         prefix_ids, prefix_mask = ids[:, :cut], mask[:, :cut]
         if mode == "mapped":
@@ -361,8 +284,7 @@ class Bridge:
         model, cache = self.prefix_cache(mode, ids, mask)
         device = next(model.parameters()).device
         generate_kwargs.setdefault("do_sample", False)
-        pad_id = self.tokenizer.pad_token_id
-        generate_kwargs.setdefault("pad_token_id", self.tokenizer.eos_token_id if pad_id is None else pad_id)
+        generate_kwargs.setdefault("pad_token_id", pad_token_id(self.tokenizer))
         try:
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
                                  max_new_tokens=max_new_tokens, **generate_kwargs)
@@ -398,7 +320,7 @@ class Bridge:
             raise InputError("no contexts given; nothing to score.")
         if any(len(c) == 0 for c in continuations):
             raise InputError("a continuation is empty; nothing to score.")
-        self._check_ids(continuations, "continuation")
+        check_ids(continuations, "continuation", self.vocab)
         for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
             if len(ctx) + len(cont) > self.max_positions:
                 raise InputError(f"context {i} plus its continuation has {len(ctx) + len(cont)} tokens, more than "
