@@ -10,8 +10,8 @@ import pytest
 from test_measurements import CARD
 
 from kvbridge.cli import main
-from kvbridge.harness import metric_rows
 from kvbridge.hashing import sha256_file
+from kvbridge.lm_eval_tasks import metric_rows
 
 FAST = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--hold-back", "4",
         "--quiet"]

@@ -45,7 +45,7 @@ def fitted(pair, tmp_path_factory):
 
 
 def test_local_tasks_run_in_every_mode(pair, fitted):
-    from kvbridge.harness import metric_rows, run_lm_eval
+    from kvbridge.lm_eval_tasks import metric_rows, run_lm_eval
 
     source, target = pair
     bridge = Bridge(source, target, Mapper.from_pretrained(fitted))
@@ -59,7 +59,7 @@ def test_local_tasks_run_in_every_mode(pair, fitted):
 
 
 def test_offline_tasks_at_1024_tokens_run(pair, fitted):
-    from kvbridge.harness import metric_rows, run_lm_eval
+    from kvbridge.lm_eval_tasks import metric_rows, run_lm_eval
 
     source, target = pair
     bridge = Bridge(source, target, Mapper.from_pretrained(fitted))
@@ -69,7 +69,7 @@ def test_offline_tasks_at_1024_tokens_run(pair, fitted):
 
 
 def test_identity_map_gives_identical_lm_eval_results(pair):
-    from kvbridge.harness import run_lm_eval
+    from kvbridge.lm_eval_tasks import run_lm_eval
 
     _, target = pair
     bridge = Bridge(target, target, Mapper.identity(target.info))

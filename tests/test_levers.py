@@ -113,7 +113,7 @@ def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
     """Lags over both caches and a residual MLP fit, save, verify, reload and generate; the lever helps held-out R²."""
     from kvbridge.fit import FitConfig, fit_mapper
     from kvbridge.models import load_model
-    from kvbridge.stats import read_texts
+    from kvbridge.texts import read_texts
     from kvbridge.transfer import Bridge
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])

@@ -35,7 +35,7 @@ def test_family_mean_row_prints_the_cards_mean():
 
 def test_lm_eval_mean_counts_one_primary_metric_per_task():
     """ARC and HellaSwag report acc and acc_norm, GSM8K two filters: only the primary one enters the mean."""
-    from kvbridge.harness import eval_table, metric_rows
+    from kvbridge.lm_eval_tasks import eval_table, metric_rows
 
     results = {"native": {"results": {}, "n-shot": {}}, "mapped": {"results": {}}}
     for task, native, mapped, _ in CARD:
@@ -58,7 +58,7 @@ def test_lm_eval_mean_counts_one_primary_metric_per_task():
 
 
 def test_card_protocol_sets_shots_per_task():
-    from kvbridge.harness import fewshot_plan
+    from kvbridge.lm_eval_tasks import fewshot_plan
 
     plan = fewshot_plan(["arc_challenge", "mmlu", "gsm8k_cot", "kvbridge_family_cloze"], "card")
     assert plan == {"arc_challenge": 0, "mmlu": 5, "gsm8k_cot": 8, "kvbridge_family_cloze": None}
@@ -226,7 +226,7 @@ def test_rope_only_pair_maps_exactly_through_left_padded_batches(rope_only_pair,
 
 def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.stats import read_texts
+    from kvbridge.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     mapper = fit_mapper(source, target, read_texts(tiny_pair[2]), FitConfig(num_texts=8, seq_len=48, heldout_texts=0),
@@ -241,7 +241,7 @@ def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
 
 
 def test_heldout_r2_reads_whole_documents_of_its_own(tiny_pair):
-    from kvbridge.stats import read_texts, split_heldout_documents
+    from kvbridge.texts import read_texts, split_heldout_documents
 
     tokenizer = load_model(tiny_pair[1]).tokenizer
     texts = read_texts(tiny_pair[2])
@@ -256,7 +256,7 @@ def test_heldout_r2_reads_whole_documents_of_its_own(tiny_pair):
 def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
     from kvbridge.cli import main
     from kvbridge.hashing import sha256_texts
-    from kvbridge.stats import read_texts
+    from kvbridge.texts import read_texts
 
     source, target, texts = tiny_pair
     out = tmp_path / "m"
@@ -268,7 +268,7 @@ def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
 
 
 def test_fallback_counts_are_per_task_and_groups_sum_their_subtasks():
-    from kvbridge.harness import _task_count
+    from kvbridge.lm_eval_tasks import _task_count
 
     counts = {"kvbridge_family_cloze": 3, "kvbridge_family_cloze_1024": 5, "mmlu_anatomy": 2, "mmlu_virology": 4}
     assert _task_count(counts, "kvbridge_family_cloze") == 3

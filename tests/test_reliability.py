@@ -28,7 +28,7 @@ from kvbridge.cli import main
 from kvbridge.errors import ArtifactError, CompatibilityError, InputError, KVBridgeError
 from kvbridge.hashing import sha256_file
 from kvbridge.mapper import check_mapper
-from kvbridge.stats import read_texts
+from kvbridge.texts import read_texts
 
 
 def _reseal(folder):

@@ -161,7 +161,7 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
     """Markdown and the manifest's summary of every retention result given."""
     parts, summary = [], {}
     if eval_data is not None:
-        from .harness import eval_table, in_mean
+        from .lm_eval_tasks import eval_table, in_mean
 
         protocol = eval_data.get("protocol", {})
         name = protocol.get("name", "default") if isinstance(protocol, dict) else str(protocol)

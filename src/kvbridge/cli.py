@@ -287,7 +287,7 @@ def _cmd_fit(args) -> int:
     from .fit import FitConfig, fit_mapper
     from .mapper import check_mapper
     from .models import check_device, load_model, resolve_dtype
-    from .stats import read_texts
+    from .texts import read_texts
 
     config = FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                        ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
@@ -369,7 +369,7 @@ def _cmd_frontier(args) -> int:
     from . import family
     from .frontier import GRIDS, frontier_table, run_frontier
     from .models import load_model
-    from .stats import read_texts
+    from .texts import read_texts
 
     if bool(args.source) != bool(args.target):
         raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
@@ -443,7 +443,7 @@ def _cmd_eval(args) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        from .harness import eval_table, fewshot_plan, metric_rows, run_lm_eval
+        from .lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
     except ImportError:
         raise KVBridgeError('kvbridge eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -487,7 +487,7 @@ def _cmd_diagnose(args) -> int:
     import json
 
     from .diagnose import diagnose, oracle, plot_diagnostics
-    from .stats import read_texts
+    from .texts import read_texts
 
     texts = read_texts(args.texts)
     if args.items < 4 or args.seq_len < 128:
@@ -531,7 +531,7 @@ def _cmd_lm_eval(args) -> int:
         from lm_eval.__main__ import cli_evaluate
 
         from . import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
-        from .harness import local_task_dir
+        from .lm_eval_tasks import local_task_dir
     except ImportError:
         raise KVBridgeError('kvbridge lm-eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
     import shutil

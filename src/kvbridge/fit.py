@@ -33,13 +33,12 @@ from .recompute import CRITERIA
 from .stats import (
     CalibrationStats,
     KVStats,
-    calibration_sequences,
     collect_statistics,
     iter_batches,
     pooled_r2,
     ridge_solve,
-    split_heldout_documents,
 )
+from .texts import calibration_sequences, split_heldout_documents
 
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
 MAX_WIDTH = 65_536  # widest residual MLP a fit accepts (the published geometry's features: 1,024)
@@ -322,7 +321,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     if not isinstance(config, FitConfig):
         raise InputError(f"config must be a kvbridge.fit.FitConfig, not {type(config).__name__}.")
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-        raise InputError("texts must be a list of strings (read a file with kvbridge.stats.read_texts).")
+        raise InputError("texts must be a list of strings (read a file with kvbridge.texts.read_texts).")
     check_same_tokenizer(source.info, target.info)
     if config.top_k is not None and config.top_k > source.info.num_layers:
         raise InputError(f"--top-k {config.top_k}: the source has {source.info.num_layers} layers; pass at most that "

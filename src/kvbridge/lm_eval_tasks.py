@@ -84,7 +84,7 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
                       seq_len: int = 256, seed: int = 0, suffix: str = "") -> None:
     """Write the two offline tasks' JSONL from held-out texts (run once per length; the files are shipped).
 
-    ``python -c "from kvbridge import family; from kvbridge.harness import build_local_tasks as b; t =
+    ``python -c "from kvbridge import family; from kvbridge.lm_eval_tasks import build_local_tasks as b; t =
     family.load_family()[1].tokenizer; b(t, family.heldout_texts()); b(t, family.heldout_texts(), seq_len=1024,
     suffix='_1024')"``
     """

@@ -1,0 +1,112 @@
+"""Texts: reading calibration and held-out files, and cutting them into calibration windows.
+
+``read_texts`` takes ``.txt`` (one text per non-empty line) or ``.jsonl`` (a ``text`` field per line),
+UTF-8, and names the file and line of anything it cannot read. ``calibration_sequences`` packs texts
+end to end into (N, T) windows that start with BOS; ``split_heldout_documents`` keeps whole documents
+out of the fit for the held-out R².
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Texts from a ``.txt`` file (one per non-empty line) or ``.jsonl`` (a ``text`` field per line)."""
+    if not str(path).strip():
+        raise InputError("no texts file given: pass a .txt or .jsonl file.")
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; pass a .txt or .jsonl file.")
+    if not path.is_file():
+        raise InputError(f"text file {str(path)!r} does not exist.")
+    texts: list[str] = []
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line} is not UTF-8 (byte {exc.start}); save the texts as UTF-8.") from None
+    with io.StringIO(raw, newline=None) as handle:  # universal newlines, as open() would
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{path}:{number} is not valid JSON ({exc.msg}).") from None
+                except RecursionError:
+                    raise InputError(f"{path}:{number} is nested too deeply to be a text record.") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise InputError(f"{path}:{number} has no string field 'text'; "
+                                     "each line must be {\"text\": ...}.")
+                try:  # JSON can spell a lone surrogate ("\\ud800"), which no tokenizer reads
+                    record["text"].encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InputError(f"{path}:{number}: its text holds an unpaired surrogate (character "
+                                     f"{exc.start}), not valid Unicode text.") from None
+                texts.append(record["text"])
+        elif path.suffix in (".txt", ""):
+            texts = [line.rstrip("\n") for line in handle if line.strip()]
+        else:
+            raise InputError(f"{path} must be a .txt file (one text per line) or .jsonl (a 'text' field per line).")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise InputError(f"{path} contains no text.")
+    return texts
+
+
+def calibration_sequences(tokenizer, texts: Iterable[str], num_sequences: int, seq_len: int) -> torch.Tensor:
+    """(N, T) token ids: BOS, then the texts' tokens packed end to end and cut into windows.
+
+    Every sequence starts like a real prompt (with the BOS token when the tokenizer has one), and
+    no token is wasted on padding. Raises when the texts do not fill ``num_sequences`` windows.
+    """
+    if num_sequences < 1 or seq_len < 2:
+        raise InputError("need at least one calibration sequence of at least 2 tokens.")
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    body = seq_len - len(bos)
+    needed = num_sequences * body
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            stream.append(tokenizer.eos_token_id)
+        if len(stream) >= needed:
+            break
+    if len(stream) < needed:
+        have = len(stream) // body
+        raise InputError(
+            f"the texts hold {len(stream):,} tokens: enough for {have} sequences of {seq_len} tokens, not "
+            f"{num_sequences}. Pass more text, or lower --num-texts / --seq-len."
+        )
+    rows = [bos + stream[i * body : (i + 1) * body] for i in range(num_sequences)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def split_heldout_documents(tokenizer, texts: list[str], num_sequences: int, seq_len: int
+                            ) -> tuple[list[str], list[str]]:
+    """``(fit texts, held-out texts)``: the last documents that fill ``num_sequences`` windows are held out whole.
+
+    Held-out windows cut from the same documents as the fit windows (the next window of the same
+    file) would flatter the held-out R²; whole documents keep the two apart.
+    """
+    if num_sequences == 0:
+        return list(texts), []
+    needed = num_sequences * (seq_len - (tokenizer.bos_token_id is not None))
+    have, cut = 0, len(texts)
+    while cut > 0 and have < needed:
+        cut -= 1
+        have += len(tokenizer(texts[cut], add_special_tokens=False, verbose=False)["input_ids"]) + (
+            tokenizer.eos_token_id is not None)
+    if have < needed or cut == 0:
+        raise InputError(f"the texts are too few to hold out {num_sequences} sequences of {seq_len} tokens in "
+                         "documents of their own; pass more texts, or lower --heldout-texts (0 skips held-out R²).")
+    return list(texts[:cut]), list(texts[cut:])
