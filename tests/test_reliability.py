@@ -567,3 +567,21 @@ def test_bad_python_inputs_raise_kvbridge_errors(fitted):
                  lambda: bridge.mapper.save_pretrained(None)):
         with pytest.raises(KVBridgeError):
             call()
+
+
+@pytest.mark.parametrize("module", ["matplotlib", "lm_eval"])
+def test_a_missing_optional_dependency_is_one_line_before_any_work(fitted, monkeypatch, tmp_path, capsys, module):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    source, target, texts, mapper = fitted
+    pair = ["--source", source, "--target", target, "--mapper", str(mapper)]
+    if module == "matplotlib":
+        runs = [["diagnose", *pair, "--texts", texts, "--out", str(tmp_path / "d")],
+                ["bench", *pair, "--plot", str(tmp_path / "b.png")], ["frontier", "--out", str(tmp_path / "f")]]
+    else:
+        runs = [["eval", *pair, "--tasks", "kvbridge_family_cloze"], ["lm-eval", "--tasks", "x"]]
+    for argv in runs:
+        err = _fails(argv, capsys, 'pip install "kvbridge[')
+        assert len(err.strip().splitlines()) == 1, err

@@ -377,11 +377,7 @@ def _cmd_frontier(args) -> int:
         raise KVBridgeError("with your own pair give --texts (calibration) and --heldout (texts the models were "
                             "not calibrated on); the embedded family's texts would not fit another tokenizer.")
     check_output_dir(args.out)
-    try:
-        import matplotlib  # noqa: F401  (frontier.png is written at the end: fail now, not after minutes)
-    except ImportError:
-        raise KVBridgeError("kvbridge frontier draws frontier.png with matplotlib: "
-                            'pip install "kvbridge[plot]"') from None
+    _require("matplotlib", "plot", "kvbridge frontier (frontier.png)")  # fail now, not after minutes
     if args.source:
         source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
     else:
@@ -410,6 +406,8 @@ def _cmd_bench(args) -> int:
     for flag in ("json", "plot"):
         if getattr(args, flag):
             check_output_file(getattr(args, flag), f"--{flag}")
+    if args.plot:
+        _require("matplotlib", "plot", "kvbridge bench --plot")
     bridge = _bridge(args)
     limit = bridge.target.info.max_positions
     if limit and max(contexts) > limit:
@@ -442,10 +440,9 @@ def _cmd_eval(args) -> int:
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from .lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
-    except ImportError:
-        raise KVBridgeError('kvbridge eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
+    _require("lm_eval", "eval", "kvbridge eval")
+    from .lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise KVBridgeError("--tasks is empty.")
@@ -494,6 +491,7 @@ def _cmd_diagnose(args) -> int:
         raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 "
                             "(the recall task places spans 64+ tokens apart).")
     check_output_dir(args.out)
+    _require("matplotlib", "plot", "kvbridge diagnose (its plots)")
     bridge = _bridge(args)
     report = diagnose(bridge, texts, args.items, args.seq_len)
     if args.oracle:
@@ -527,14 +525,14 @@ def _cmd_lm_eval(args) -> int:
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from lm_eval.__main__ import cli_evaluate
-
-        from . import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
-        from .lm_eval_tasks import local_task_dir
-    except ImportError:
-        raise KVBridgeError('kvbridge lm-eval needs lm-evaluation-harness: pip install "kvbridge[eval]"') from None
+    _require("lm_eval", "eval", "kvbridge lm-eval")
     import shutil
+
+    from lm_eval.__main__ import cli_evaluate
+
+    from . import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
+    from .lm_eval_tasks import local_task_dir
+
 
     argv = list(args.lm_eval_args)
     wants_run = argv and argv[0] not in ("ls", "validate", "-h", "--help")
@@ -655,6 +653,14 @@ def _cmd_push(args) -> int:
     print(f"pin this commit: Mapper.from_pretrained({args.repo_id!r}, revision={commit!r})"
           f"  (CLI: --mapper {args.repo_id} --mapper-revision {commit})")
     return 0
+
+
+def _require(module: str, extra: str, what: str) -> None:
+    """Fail in one line, before any work, when an optional dependency is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise KVBridgeError(f"{what} needs {module}, which is not installed: pip install \"kvbridge[{extra}]\"")
 
 
 def _count(value) -> str:
