@@ -542,6 +542,9 @@ def test_bad_python_inputs_raise_kvbridge_errors(fitted):
 
     source, target, _, mapper = fitted
     bridge = Bridge.from_pretrained(source, target, str(mapper))
+    import numpy as np
+
+    assert bridge.pad([[np.int64(3), np.int64(4)]])[0].tolist() == [[3, 4]]  # numpy integers are token ids
     for call in (lambda: bridge.generate([]), lambda: bridge.generate(""),
                  lambda: bridge.generate("x", max_new_tokens=0),
                  lambda: bridge.generate("def f", do_sample=True, temperature=0.0),

@@ -1,8 +1,8 @@
 """Artifact folders on disk: writing them atomically, verifying checksums, reading headers and tensors.
 
-Generic: this module knows files, checksums and safetensors, not what a mapper is — the mapper fills
-in its part (:meth:`kvbridge.mapper.Mapper.save_pretrained` / ``from_pretrained``; the JSON format is
-in :mod:`kvbridge.schema`).
+It knows the folder's files (their names), checksums and safetensors, not what a mapper's tensors
+mean — the mapper fills in its part (:meth:`kvbridge.mapper.Mapper.save_pretrained` /
+``from_pretrained``; the JSON format is in :mod:`kvbridge.schema`).
 
 A mapper folder holds::
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .errors import ArtifactError
+from .errors import ArtifactError, InputError
 from .hashing import sha256_file
 from .hub import snapshot
 from .outputs import check_output_dir, umask
@@ -88,7 +88,10 @@ def check_writable_artifact_dir(directory: str | Path) -> None:
         if extra:
             raise ArtifactError(f"{directory} is a kvbridge artifact but also holds {', '.join(extra[:5])}; writing "
                                 "the mapper would delete them. Move them away, or choose another --out.")
-    check_output_dir(directory.parent, "--out's parent folder")  # the new folder is made and swapped in there
+    try:  # the new folder is made and swapped in there
+        check_output_dir(directory.parent, "the artifact's parent folder")
+    except InputError as exc:
+        raise ArtifactError(str(exc)) from None
 
 
 def write_artifact(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],

@@ -94,7 +94,8 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
 
 
 def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
-    """FLOPs of ``x @ W`` for every target layer, keys and values: 2·T·Σ_l d_in,l·d_out,l.
+    """FLOPs of the map's GEMMs, keys and values: 2·T·Σ d_in·d_out over every weight (each layer's ``x @ W``
+    and a residual MLP's two).
 
     Takes a mapper or only its config (the shapes decide): a plan needs no weights.
     """

@@ -403,6 +403,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
                                  levers=levers, runtime=runtime), weights, run_report)
+    del weights  # the mapper holds them once (group operands); the per-layer originals can go
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)
         for kind in KINDS:

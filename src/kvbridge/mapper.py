@@ -307,7 +307,12 @@ def build_features(per_kind: dict[str, torch.Tensor], spec: Features, sources: t
 
 
 class Mapper:
-    """A fitted cross-model KV mapper. Build with :meth:`from_pretrained` or :func:`kvbridge.fit.fit_mapper`."""
+    """A fitted cross-model KV mapper. Build with :meth:`from_pretrained` or :func:`kvbridge.fit.fit_mapper`.
+
+    The mapper takes ownership of the tensors it is given: a target layer that forms a GEMM group of its
+    own keeps its tensor, the others become views of their group's concatenated operand (the map is held
+    once). While a mapper is built the concatenation briefly holds a second copy of the grouped layers.
+    """
 
     def __init__(self, config: MapperConfig, weights: dict[str, torch.Tensor],
                  run_report: dict[str, Any] | None = None):
@@ -538,4 +543,7 @@ def check_mapper(directory: str | Path) -> list[str]:
     if problems:
         return problems
     floats = [name for name, code in config.tensor_dtypes().items() if code != "I64"]
-    return [f"tensor {name} holds NaN or Inf" for name in artifact.nonfinite_tensors(directory, floats)]
+    try:
+        return [f"tensor {name} holds NaN or Inf" for name in artifact.nonfinite_tensors(directory, floats)]
+    except ArtifactError as exc:
+        return [str(exc)]

@@ -6,6 +6,7 @@ Letters: B batch, T columns (left-padded).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -50,7 +51,8 @@ def pad_token_id(tokenizer) -> int:
 def check_ids(rows: Any, what: str, vocab: int) -> None:
     """Each row a list of integer token ids in [0, vocab)."""
     for i, row in enumerate(rows):
-        if not isinstance(row, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+        if not isinstance(row, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                         for t in row):
             raise InputError(f"{what} {i} must be a list of integer token ids.")
         if row and (min(row) < 0 or max(row) >= vocab):
             raise InputError(f"{what} {i} holds token ids outside the vocabulary [0, {vocab}); "

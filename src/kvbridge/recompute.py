@@ -35,7 +35,6 @@ from .models import cache_kv, make_cache
 
 CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
-BIGRAM_TENSORS = ("recompute.bigram.keys", "recompute.bigram.counts", "recompute.unigram.counts")
 
 
 def bigram_tables(sequences: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:

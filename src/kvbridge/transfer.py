@@ -93,6 +93,8 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     copy of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE
     depends on the full length).
     """
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
     src_k, src_v = cache_kv(source_cache)
     batch, _, tokens, _ = src_k[0].shape
     t_cfg = mapper.config.target
@@ -289,7 +291,8 @@ class Bridge:
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
                                  max_new_tokens=max_new_tokens, **generate_kwargs)
         except ValueError as exc:  # transformers validates generation options only here
-            raise InputError(f"transformers refused the generation options: {str(exc).splitlines()[0]}") from None
+            raise InputError(f"transformers' generate refused the call (usually a generation option): "
+                             f"{str(exc).splitlines()[0]}") from None
         return out[:, ids.shape[1]:]
 
     def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
