@@ -140,3 +140,19 @@ def test_the_mapper_is_resident_once(tmp_path):
                    Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)):
         expected = sum(t.numel() * t.element_size() for t in loaded.weights.values())
         assert loaded.resident_bytes == expected
+
+
+def test_loading_writes_each_tensor_into_its_group_buffer(tmp_path, monkeypatch):
+    """from_pretrained and to() assemble group operands layer by layer: no concatenation, no second copy."""
+    random_mapper().save_pretrained(tmp_path / "m")
+    calls = []
+    real = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loaded = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
+    moved = loaded.to(dtype=torch.float32)
+    assert calls == []
+    assert moved.resident_bytes == sum(t.numel() * t.element_size() for t in moved.weights.values())
+    for name, t in random_mapper().weights.items():
+        assert torch.equal(moved.weights[name], t.to(torch.bfloat16).to(t.dtype)) or ".mlp." in name or \
+            "recompute" in name, name
+

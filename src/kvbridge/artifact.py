@@ -372,13 +372,20 @@ def nonfinite_tensors(directory: str | Path, names: list[str]) -> list[str]:
         raise ArtifactError(f"{Path(directory) / WEIGHTS_FILE} cannot be read ({exc}).") from None
 
 
-def load_tensors(directory: str | Path, names: list[str], device: str | torch.device, cast) -> dict[str, torch.Tensor]:
-    """Read ``names`` one at a time onto ``device``, each passed through ``cast(name, tensor)``."""
+@contextlib.contextmanager
+def open_tensors(directory: str | Path, device: str | torch.device):
+    """Yield ``fetch(name)``: one tensor of the weights file at a time, read onto ``device``."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / WEIGHTS_FILE
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
-            return {name: cast(name, handle.get_tensor(name)) for name in names}
-    except (SafetensorError, OSError, RuntimeError) as exc:
+            def fetch(name: str) -> torch.Tensor:
+                try:
+                    return handle.get_tensor(name)
+                except (SafetensorError, OSError, RuntimeError) as exc:
+                    raise ArtifactError(f"{path}: tensor {name} cannot be read onto {device} ({exc}).") from None
+
+            yield fetch
+    except (SafetensorError, OSError) as exc:
         raise ArtifactError(f"{path} cannot be read onto {device} ({exc}).") from None

@@ -112,18 +112,22 @@ def _published_infos():
 
 
 def resident_line(device: str = "cpu") -> str:
-    """Build the plain published mapper (zero weights, bfloat16) and report what it holds in memory."""
-    from .mapper import Mapper
+    """Build the plain published mapper as ``from_pretrained`` does — tensors arrive one at a time (zeros here,
+    float32 as on disk) and are written into their group buffers in bfloat16 — and report what it holds and,
+    on CPU, the process's peak resident memory (torch and Python included)."""
+    import resource
+
+    from .mapper import Mapper, assemble
 
     infos, _ = _published_infos()
     config = published_config(infos["ministral3-3b-text"], infos["ministral3-8b-text"], levers=False)
-    weights = {name: torch.zeros(shape, device=device, dtype=torch.bfloat16)
-               for name, shape in config.weight_shapes().items()}
-    mapper = Mapper(config, weights)
-    del weights
+    shapes = config.weight_shapes()
+    mapper = Mapper(config, assemble(config, lambda name: torch.zeros(shapes[name]), device, torch.bfloat16))
     n = config.num_parameters()
+    peak = (f"; process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+            if torch.device(device).type == "cpu" else "")
     return (f"plain mapper at the Ministral-3 3B→8B geometry in bfloat16 on {device}: {n / 1e9:.3f} B parameters, "
-            f"resident {mapper.resident_bytes / 1e9:.2f} GB (parameters × 2 bytes = {2 * n / 1e9:.2f} GB)")
+            f"resident {mapper.resident_bytes / 1e9:.2f} GB (parameters × 2 bytes = {2 * n / 1e9:.2f} GB){peak}")
 
 
 def plan_table() -> str:

@@ -216,6 +216,16 @@ class MapperConfig:
     def num_parameters(self) -> int:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
+    def groups(self, kind: str) -> list[tuple[Features, tuple[int, ...], bool]]:
+        """Target layers mapped by one GEMM: ``(features, target layers, has_mlp)``; an MLP layer stands alone."""
+        by_features: dict[tuple, list[int]] = {}
+        for layer in range(self.target.num_layers):
+            spec = self.features(kind, layer)
+            lever = self.lever(kind, layer)
+            key = (spec, layer) if lever is not None and lever.hidden else (spec,)
+            by_features.setdefault(key, []).append(layer)
+        return [(key[0], tuple(targets), len(key) == 2) for key, targets in by_features.items()]
+
     def tensor_dtypes(self) -> dict[str, str]:
         """Name → safetensors dtype code of every tensor on disk: float32 weights, int64 table keys."""
         return {name: "I64" if name in INTEGER_TENSORS else "F32" for name in self.weight_shapes()}
@@ -271,6 +281,55 @@ class _Group:
     mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # W1, b1, W2, b2
 
 
+def _adjacent(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:
+    """The tensor ``torch.cat(parts, dim)`` would build, without a copy, when ``parts`` already are adjacent
+    slices of one buffer in order (as :func:`assemble` lays them out); else None."""
+    first = parts[0]
+    step = first.shape[dim] * first.stride(dim)
+    storage = first.untyped_storage().data_ptr()
+    for i, p in enumerate(parts):
+        if (p.untyped_storage().data_ptr() != storage or p.shape != first.shape or p.stride() != first.stride()
+                or p.storage_offset() != first.storage_offset() + i * step or p.dtype != first.dtype):
+            return None
+    shape = list(first.shape)
+    shape[dim] *= len(parts)
+    whole = first.as_strided(shape, first.stride(), first.storage_offset())
+    return whole if whole.is_contiguous() else None
+
+
+def _concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    whole = _adjacent(parts, dim)
+    return torch.cat(parts, dim=dim) if whole is None else whole
+
+
+def assemble(config: MapperConfig, fetch, device: torch.device | str, dtype: torch.dtype | None
+             ) -> dict[str, torch.Tensor]:
+    """Every tensor of ``config``, ``fetch(name)`` one at a time, written into its group's GEMM operand
+    preallocated on ``device`` (in ``dtype``; MLPs and tables keep theirs): the map is never held twice
+    while it is built, only one layer beyond it."""
+    weights: dict[str, torch.Tensor] = {}
+    ft = config.target.kv_features
+    for kind in KINDS:
+        for _, targets, _ in config.groups(kind):
+            if len(targets) == 1:
+                continue
+            first = fetch(f"{kind}.{targets[0]}.weight")
+            out_dtype = dtype or first.dtype
+            weight = torch.empty((first.shape[0], len(targets) * ft), device=device, dtype=out_dtype)
+            bias = torch.empty((len(targets) * ft,), device=device, dtype=out_dtype)
+            for i, l in enumerate(targets):
+                cols = slice(i * ft, (i + 1) * ft)
+                weight[:, cols] = first if i == 0 else fetch(f"{kind}.{l}.weight")
+                bias[cols] = fetch(f"{kind}.{l}.bias")
+                weights[f"{kind}.{l}.weight"], weights[f"{kind}.{l}.bias"] = weight[:, cols], bias[cols]
+            del first
+    for name in config.weight_shapes():
+        if name not in weights:
+            t = fetch(name)
+            weights[name] = t.to(device=device, dtype=None if keeps_dtype(name) or dtype is None else dtype)
+    return weights
+
+
 def layer_features(layers: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """Ls × (B, H, T, D) → (B, T, Ls, H·D): every token's features per layer, heads head-major.
 
@@ -310,8 +369,9 @@ class Mapper:
     """A fitted cross-model KV mapper. Build with :meth:`from_pretrained` or :func:`kvbridge.fit.fit_mapper`.
 
     The mapper takes ownership of the tensors it is given: a target layer that forms a GEMM group of its
-    own keeps its tensor, the others become views of their group's concatenated operand (the map is held
-    once). While a mapper is built the concatenation briefly holds a second copy of the grouped layers.
+    own keeps its tensor, the others become views of their group's operand (the map is held once).
+    Tensors that already are adjacent slices of one buffer (:func:`assemble`, used by ``from_pretrained``
+    and ``to``) are used as they are; others are concatenated, which briefly holds them twice.
     """
 
     def __init__(self, config: MapperConfig, weights: dict[str, torch.Tensor],
@@ -347,20 +407,12 @@ class Mapper:
     # -- construction -----------------------------------------------------------------------
     def _build_groups(self, kind: str) -> list[_Group]:
         config = self.config
-        by_features: dict[tuple, list[int]] = {}
-        for layer in range(config.target.num_layers):
-            spec = config.features(kind, layer)
-            lever = config.lever(kind, layer)
-            key = (spec, layer) if lever is not None and lever.hidden else (spec,)  # an MLP maps one layer alone
-            by_features.setdefault(key, []).append(layer)
         groups = []
         all_layers = tuple(range(config.source.num_layers))
-        for key, targets in by_features.items():
-            spec = key[0]
+        for spec, targets, has_mlp in config.groups(kind):
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
             b = [self.weights[f"{kind}.{l}.bias"] for l in targets]
-            weight = w[0].contiguous() if len(w) == 1 else torch.cat(w, dim=1)
-            bias = b[0] if len(b) == 1 else torch.cat(b, dim=0)
+            weight, bias = (w[0].contiguous(), b[0]) if len(w) == 1 else (_concat(w, 1), _concat(b, 0))
             # the mapper is resident once: each layer's weight is (a view of) its group's GEMM operand
             ft = self.config.target.kv_features
             for i, l in enumerate(targets):
@@ -368,7 +420,7 @@ class Mapper:
                 self.weights[f"{kind}.{l}.bias"] = bias[i * ft : (i + 1) * ft] if len(b) > 1 else bias
             sources = None if spec.sources == all_layers else torch.tensor(spec.sources, device=weight.device)
             mlp = None
-            if len(key) == 2:
+            if has_mlp:
                 p = f"{kind}.{targets[0]}.mlp"
                 names = [f"{p}.{n}" for n in ("in.weight", "in.bias", "out.weight", "out.bias")]
                 for name in names:
@@ -398,10 +450,9 @@ class Mapper:
         return self.weights["key.0.weight"].device
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Mapper:
-        """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime)."""
-        moved = {name: t.to(device=device, dtype=None if keeps_dtype(name) else dtype)
-                 for name, t in self.weights.items()}
-        return Mapper(self.config, moved, self.run_report)
+        """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime), assembled layer by layer."""
+        device = self.device if device is None else torch.device(device)
+        return Mapper(self.config, assemble(self.config, self.weights.__getitem__, device, dtype), self.run_report)
 
     @classmethod
     def identity(cls, info: ModelInfo) -> Mapper:
@@ -450,8 +501,8 @@ class Mapper:
         if problems:
             raise ArtifactError(f"{directory / artifact.WEIGHTS_FILE} does not match {schema.CONFIG_FILE}: "
                                 f"{'; '.join(problems[:3])}. Re-download or refit the mapper; nothing was loaded.")
-        tensors = artifact.load_tensors(directory, list(config.weight_shapes()), device,
-                                        lambda name, t: t if dtype is None or keeps_dtype(name) else t.to(dtype))
+        with artifact.open_tensors(directory, device) as fetch:
+            tensors = assemble(config, fetch, device, dtype)
         return cls(config, tensors, run_report=artifact.read_run_report(directory))
 
     def save_pretrained(self, directory: str | Path) -> Path:
