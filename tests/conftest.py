@@ -81,6 +81,22 @@ def tiny_pair(tmp_path_factory):
     return save_model(source, tokenizer, root / "source"), save_model(target, tokenizer, root / "target"), str(texts)
 
 
+# fit options that make a mapper of the tiny pair in seconds, with the default levers on
+FAST_FIT = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--hold-back", "4",
+            "--quiet"]
+
+
+@pytest.fixture(scope="session")
+def fast_mapper(tiny_pair, tmp_path_factory):
+    """A mapper folder of the tiny pair fitted once through the CLI with FAST_FIT; copy it before writing in it."""
+    from kvbridge.cli import main
+
+    source, target, texts = tiny_pair
+    out = tmp_path_factory.mktemp("fast") / "mapper"
+    assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out), *FAST_FIT]) == 0
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory, tiny_pair):
     """A multimodal Mistral3ForConditionalGeneration checkpoint whose decoder is a tiny Ministral3."""

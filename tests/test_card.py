@@ -13,15 +13,14 @@ from kvbridge.cli import main
 from kvbridge.hashing import sha256_file
 from kvbridge.lm_eval_tasks import metric_rows
 
-FAST = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--hold-back", "4",
-        "--quiet"]
-
 
 @pytest.fixture(scope="module")
-def artifact(tiny_pair, tmp_path_factory):
-    source, target, texts = tiny_pair
-    out = tmp_path_factory.mktemp("card") / "mapper"
-    assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out), *FAST]) == 0
+def artifact(tiny_pair, fast_mapper, tmp_path_factory):
+    import shutil
+
+    source, target, _ = tiny_pair
+    out = tmp_path_factory.mktemp("card") / "mapper"  # its own copy: the card tests write into it
+    shutil.copytree(fast_mapper, out)
     return source, target, out
 
 

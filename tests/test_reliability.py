@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST_FIT
 from safetensors.torch import save_file
 from test_artifact import random_mapper
 
@@ -98,16 +99,13 @@ def test_texts_that_are_not_utf8_name_the_file_and_line(tmp_path):
 
 
 # -- the battery: each class of bad input, poisoned artifact and interrupted write ----------------
-FAST = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--hold-back", "4",
-        "--quiet"]
+FAST = FAST_FIT
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_pair, tmp_path_factory):
+def fitted(tiny_pair, fast_mapper):
     source, target, texts = tiny_pair
-    out = tmp_path_factory.mktemp("battery") / "mapper"
-    assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out), *FAST]) == 0
-    return source, target, texts, out
+    return source, target, texts, fast_mapper  # read only here
 
 
 def _edit(folder, change):
