@@ -157,7 +157,7 @@ def test_both_models_read_long_contexts_better_the_further_they_read(pair, long_
 
 def test_target_recalls_a_span_stated_900_tokens_earlier(pair, long_rows):
     from kvbridge.evaluate import frequent_ids, recall_items
-    from kvbridge.transfer import score_plain
+    from kvbridge.scoring import score_plain
 
     source, target = pair
     alphabet = frequent_ids(long_rows, set(target.tokenizer.all_special_ids), 1024)

@@ -142,3 +142,94 @@ def test_mlp_levers_stay_float32_when_the_mapper_runs_in_bfloat16():
     exact, rounded = m.map(keys, values)[0][1], low.map(keys, values)[0][1]
     assert rounded.dtype == torch.bfloat16
     assert torch.allclose(rounded.float(), exact, rtol=0.05, atol=0.3)
+
+
+STATE = Lever("key", 1, lags=(0, 1), inputs=("key", "value", "state"), hidden=3, state=5)
+
+
+def test_a_state_lever_reads_the_source_final_hidden_state_after_the_caches_of_each_lag():
+    m = mapper((STATE,))
+    keys, values = cache(tokens=6)
+    state = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(3))
+    mk, mv = m.map(keys, values, state=state)
+    w, b = m.weights["key.1.weight"], m.weights["key.1.bias"]
+    w1, b1, w2, b2 = (m.weights[f"key.1.mlp.{n}"] for n in ("in.weight", "in.bias", "out.weight", "out.bias"))
+    assert w.shape[0] == 2 * (2 * 2 * 8 + 5)
+    for t in range(6):
+        before = state[:, t - 1] if t else torch.zeros(2, 5)
+        x = torch.cat([feats(keys, t), feats(values, t), state[:, t], feats(keys, t - 1), feats(values, t - 1), before],
+                      dim=1)
+        assert torch.allclose(mk[1][:, 0, t], x @ w + b + F.gelu(x @ w1 + b1) @ w2 + b2, atol=1e-4)
+    # layers without the lever ignore the state: the same as a plain mapper with their weights
+    plain = mapper()
+    same = Mapper(plain.config, {n: m.weights[n] if n in plain.weights and not n.startswith("key.1.") else t
+                                 for n, t in plain.weights.items()})
+    plain_k, plain_v = same.map(keys, values)  # (GEMM groups differ: equal up to rounding)
+    assert torch.allclose(plain_v[0], mv[0], atol=1e-5) and torch.allclose(plain_k[2], mk[2], atol=1e-5)
+
+
+def test_a_state_lever_without_its_state_is_one_clear_error():
+    from kvbridge.errors import InputError
+
+    m = mapper((STATE,))
+    keys, values = cache(tokens=6)
+    with pytest.raises(InputError, match="final hidden states"):
+        m.map(keys, values)
+    with pytest.raises(InputError, match=r"\(2, 6, 5\)"):
+        m.map(keys, values, state=torch.zeros(2, 6, 4))
+
+
+@pytest.mark.parametrize("bad", [dict(inputs=("key", "state")), dict(state=5), dict(inputs=("state",), state=5),
+                                 dict(inputs=("key", "state"), state=-1)])
+def test_state_inputs_and_widths_must_agree(bad):
+    with pytest.raises(ArtifactError):
+        Lever(**({"kind": "key", "layer": 0} | bad))
+
+
+def test_a_mapper_that_reads_the_state_is_format_3_and_others_stay_format_2(tmp_path):
+    m = mapper((STATE,))
+    m.save_pretrained(tmp_path / "v3")
+    data = json.loads((tmp_path / "v3" / CONFIG_FILE).read_text())
+    assert data["format_version"] == 3 and data["levers"][0]["state"] == 5
+    loaded = Mapper.from_pretrained(str(tmp_path / "v3"))
+    assert loaded.config == m.config and loaded.config.reads_state
+    mapper((Lever("key", 1, inputs=("key", "value")),)).save_pretrained(tmp_path / "v2")
+    assert json.loads((tmp_path / "v2" / CONFIG_FILE).read_text())["format_version"] == 2
+    from kvbridge.schema import validate
+
+    data["format_version"] = 2  # a state lever in a version-2 file: an edit, refused by name
+    with pytest.raises(ArtifactError, match=r"levers\[0\] reads the source's state"):
+        validate(data)
+
+
+def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
+    """--lever-inputs kvs: fitted, saved, reloaded; chunked maps equal whole ones; every recompute criterion runs;
+    the surprisal computed from the state equals the one from the model's own logits."""
+    from kvbridge.fit import FitConfig, fit_mapper
+    from kvbridge.models import cache_kv, load_model, prefill
+    from kvbridge.recompute import surprisal
+    from kvbridge.texts import read_texts
+    from kvbridge.transfer import Bridge
+
+    source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
+    texts = read_texts(tiny_pair[2])
+    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, lags=(0, 1), mlp_hidden=8, mlp_steps=30,
+                lever_layers=(2,))
+    kv = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kv"), progress=False)
+    kvs = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kvs"), progress=False)
+    (lever,) = kvs.config.levers
+    assert lever.inputs == ("key", "value", "state") and lever.state == 48
+    assert kvs.config.fit["levers"]["key.2"]["features"] == 2 * (2 * 2 * 32 + 48)
+    assert all(0 < m.config.fit["key_r2_heldout"][2] <= 1 for m in (kv, kvs))
+    kvs.save_pretrained(tmp_path / "m")
+    loaded = Mapper.from_pretrained(str(tmp_path / "m"))
+    whole, chunked = Bridge(source, target, loaded), Bridge(source, target, loaded, chunk_tokens=5)
+    ids, mask = whole.pad([[5, 9, 13, 7, 21, 30, 8, 11, 40, 3, 17, 19], [6, 12, 14, 25, 9, 2, 33]])
+    a, b = cache_kv(whole.mapped_cache(ids, mask)), cache_kv(chunked.mapped_cache(ids, mask))
+    assert all(torch.allclose(x, y, atol=1e-5) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    for by in ("logit", "surprisal", "bigram"):
+        assert Bridge(source, target, loaded, recompute=0.2, recompute_by=by).score_ids([[5, 9, 13, 7, 21]], [[30]])
+    _, hidden = prefill(source.model, ids, mask, logits="hidden")
+    _, logits = prefill(source.model, ids, mask, logits="all")
+    assert torch.allclose(surprisal(source.model.get_output_embeddings()(hidden), ids), surprisal(logits, ids),
+                          atol=1e-5)

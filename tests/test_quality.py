@@ -125,7 +125,7 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
     keys = loaded.weights["recompute.bigram.keys"]
     assert keys.dtype == torch.int64 and torch.equal(keys, mapper.weights["recompute.bigram.keys"])
     bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")))
-    assert bridge.recompute == 0.1 and not bridge.needs_source_logits
+    assert bridge.recompute == 0.1 and bridge.recompute_by != "surprisal"
     seen = []
     original = transfer.prefill
     monkeypatch.setattr(transfer, "prefill", lambda *a, **k: seen.append(k.get("logits")) or original(*a, **k))

@@ -139,7 +139,7 @@ def test_scoring_at_the_position_limit(identity_bridge):
 def test_scoring_builds_no_autograd_graph():
     """Models are loaded with gradients on: every scoring path must run under no_grad (memory, not values)."""
     from kvbridge import family
-    from kvbridge.transfer import score_plain
+    from kvbridge.scoring import score_plain
 
     _, target = family.load_family()
     seen = []

@@ -110,7 +110,8 @@ def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
     m = min(bridge.hold_back, tokens - 1)
     prefix = tokens - m
     src, tgt = bridge.source.model.config, bridge.target.model.config
-    flops = prefill_flops(src, prefix, prefix if bridge.needs_source_logits else 0) + map_flops(bridge.mapper, prefix)
+    source_logits = prefix if bridge.selects_tokens and bridge.recompute_by == "surprisal" else 0
+    flops = prefill_flops(src, prefix, source_logits) + map_flops(bridge.mapper, prefix)
     if bridge.selects_tokens:
         n = max(math.ceil(bridge.recompute * prefix), int(bridge.sink))
         flops += prefill_flops(tgt, n, 0, past=prefix - n)  # n queries over the whole prefix, at most
@@ -199,10 +200,10 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         def source():
             return bridge.source_prefill(ids.to(src_device), mask.to(src_device))
 
-        src_cache, positions = source()
+        src_cache, positions, state = source()
 
         def warm():
-            return bridge.map_cache(src_cache, positions)
+            return bridge.map_cache(src_cache, positions, state)
 
         def cold():
             return bridge.map_cache(*bridge.source_prefill(ids.to(src_device), mask.to(src_device)))

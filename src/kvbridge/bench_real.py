@@ -56,7 +56,7 @@ def build(name: str, device, dtype, tiny: bool):
     return LoadedModel(model=model, tokenizer=_VocabOnly(config.vocab_size), info=info)
 
 
-def published_config(source_info, target_info, levers: bool):
+def published_config(source_info, target_info, levers: bool, source_hidden: int = 0):
     """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
     without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
     on the data; the cost does not)."""
@@ -69,8 +69,9 @@ def published_config(source_info, target_info, levers: bool):
     d = FitConfig()
     if levers and d.has_levers:
         last = target_info.num_layers - 1
-        inputs = ("key", "value") if d.lever_inputs == "kv" else ()
-        chosen = tuple(Lever(kind, last, d.lags, inputs, d.mlp_hidden) for kind in d.lever_kinds)
+        inputs = d.lever_input_kinds
+        state = source_hidden if "state" in inputs else 0
+        chosen = tuple(Lever(kind, last, d.lags, inputs, d.mlp_hidden, state) for kind in d.lever_kinds)
         if d.lever_top_k is not None:  # the lever layer reads its best lever_top_k source layers (here: the last)
             for kind in d.lever_kinds:
                 selection[kind][last] = tuple(range(max(0, source_info.num_layers - d.lever_top_k),
@@ -82,8 +83,9 @@ def published_config(source_info, target_info, levers: bool):
 
 def random_mapper(source, target, device, dtype, levers: bool = False):
     from .mapper import Mapper
+    from .models import source_hidden_size
 
-    config = published_config(source.info, target.info, levers)
+    config = published_config(source.info, target.info, levers, source_hidden_size(source.model))
     weights = {}
     for name, shape in config.weight_shapes().items():  # 2-D weights scaled to keep activations O(1)
         scale = shape[0] ** -0.5 if len(shape) == 2 else 0.0
@@ -143,7 +145,7 @@ def plan_table() -> str:
     lines = ["| Mapper at the Ministral-3 3B→8B geometry | Parameters | float32 | bfloat16 | Map GFLOP/token | "
              "÷ 8B's own GFLOP/token |", "|---|---:|---:|---:|---:|---:|"]
     for label, levers in (("plain (the published artifact's)", False), ("kvbridge fit's default levers", True)):
-        config = published_config(source, target, levers)
+        config = published_config(source, target, levers, configs["ministral3-3b-text"].hidden_size)
         n, f = config.num_parameters(), map_flops(config, 1)
         lines.append(f"| {label} | {n / 1e9:.3f} B | {4 * n / 1e9:.2f} GB | {2 * n / 1e9:.2f} GB | {f / 1e9:.3f} | "
                      f"{f / per_token_8b:.3f} |")

@@ -54,9 +54,10 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lags", type=_int_list, default=d.lags,
                    help=f"source tokens t-j feeding target token t on lever layers (default: "
                         f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
-    g.add_argument("--lever-inputs", choices=["same", "kv"], default=d.lever_inputs,
-                   help=f"lever features from the same cache (keys for keys) or from keys and values "
-                        f"(default: {d.lever_inputs})")
+    g.add_argument("--lever-inputs", choices=["same", "kv", "kvs"], default=d.lever_inputs,
+                   help=f"lever features from the same cache (keys for keys), from keys and values (kv), or from "
+                        f"keys, values and the source's final hidden state (kvs: the map then needs the source's "
+                        f"prefill, not only its cache) (default: {d.lever_inputs})")
     g.add_argument("--lever-kinds", default=",".join(d.lever_kinds),
                    help=f"target caches that get levers: key, value or key,value (default: {','.join(d.lever_kinds)})")
     g.add_argument("--lever-layers", type=_int_list, default=None,

@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from .errors import InputError, NumericalError
-from .transfer import Bridge, score_plain
+from .scoring import score_plain
+from .transfer import Bridge
 
 SPAN = 16
 CHOICE_TOKENS = 32

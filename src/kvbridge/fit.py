@@ -28,7 +28,7 @@ import torch
 
 from .errors import InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
-from .models import LoadedModel, prefill_content
+from .models import LoadedModel, prefill_content, source_hidden_size
 from .recompute import CRITERIA
 from .stats import (
     CalibrationStats,
@@ -43,6 +43,8 @@ from .texts import calibration_sequences, split_heldout_documents
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
 MAX_WIDTH = 65_536  # widest residual MLP a fit accepts (the published geometry's features: 1,024)
 MAX_RIDGE = 1e3  # relative ridge: at 1e3 the map keeps about a thousandth of the signal
+# --lever-inputs → what a lever reads (() = its own kind); "state": the source's final hidden state
+LEVER_INPUTS = {"same": (), "kv": ("key", "value"), "kvs": ("key", "value", "state")}
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class FitConfig:
     # levers (see kvbridge.levers): extra capacity for a few target layers
     # the defaults are the frontier's recommended point on the embedded family (kvbridge.frontier.RECOMMENDED)
     lags: tuple[int, ...] = (0, 1, 2)  # source tokens t − j feeding target token t
-    lever_inputs: str = "kv"  # "same": keys from keys, values from values; "kv": both caches
+    lever_inputs: str = "kv"  # "same": keys from keys, values from values; "kv": both caches; "kvs": both caches
+    # and the source's final hidden state (its decoder's output, which no cache holds)
     lever_kinds: tuple[str, ...] = ("key",)  # target caches that get levers
     lever_layers: tuple[int, ...] | None = None  # None: the lever_count layers with the lowest fit R²
     lever_count: int = 1
@@ -80,6 +83,11 @@ class FitConfig:
     sink: bool = False
 
     @property
+    def lever_input_kinds(self) -> tuple[str, ...]:
+        """The lever inputs this setting names (() = each lever reads its own kind)."""
+        return LEVER_INPUTS[self.lever_inputs]
+
+    @property
     def has_levers(self) -> bool:
         return (self.lags != (0,) or self.lever_inputs != "same" or self.mlp_hidden > 0) and (
             self.lever_count > 0 if self.lever_layers is None else bool(self.lever_layers))
@@ -92,8 +100,8 @@ class FitConfig:
         object.__setattr__(self, "lever_kinds", tuple(self.lever_kinds))
         if not self.lags or min(self.lags) < 0 or max(self.lags) > MAX_LAG:
             raise InputError(f"--lags must be integers in [0, {MAX_LAG}], e.g. 0,1,2.")
-        if self.lever_inputs not in ("same", "kv"):
-            raise InputError("--lever-inputs must be 'same' or 'kv'.")
+        if self.lever_inputs not in LEVER_INPUTS:
+            raise InputError("--lever-inputs must be 'same', 'kv' or 'kvs'.")
         if not self.lever_kinds or any(k not in KINDS for k in self.lever_kinds):
             raise InputError("--lever-kinds must be key, value or key,value.")
         if self.lever_weighting not in ("none", "attention"):
@@ -260,9 +268,10 @@ def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequenc
     sums = {kind: {"sse": zeros(lt), "sy": zeros(lt, ft), "syy": zeros(lt, ft)} for kind in KINDS}
     for batch in iter_batches(sequences, batch_size):
         mask = torch.ones_like(batch)
-        sk, sv, _ = prefill_content(source.model, batch, mask)
+        sk, sv, _, *state = prefill_content(source.model, batch, mask, state=mapper.config.reads_state)
         tk, tv, _ = prefill_content(target.model, batch, mask)
-        mk, mv = mapper.map([k.to(mapper.device) for k in sk], [v.to(mapper.device) for v in sv])
+        mk, mv = mapper.map([k.to(mapper.device) for k in sk], [v.to(mapper.device) for v in sv],
+                            state=state[0].to(mapper.device) if state else None)
         for kind, mapped, native in (("key", mk, tk), ("value", mv, tv)):
             y = layer_features(native).double().cpu()  # (B, T, Lt, Ft)
             err = y - layer_features(mapped).double().cpu()
@@ -278,12 +287,13 @@ def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequenc
     return result
 
 
-def plan_levers(config: FitConfig, report: dict, target_layers: int) -> tuple[Lever, ...]:
+def plan_levers(config: FitConfig, report: dict, target_layers: int, state: int = 0) -> tuple[Lever, ...]:
     """The levers a fit adds: on ``lever_layers``, or on the ``lever_count`` layers of each lever kind with
-    the lowest fit R² of the plain map (where it loses most)."""
+    the lowest fit R² of the plain map (where it loses most). ``state``: the source's hidden size."""
     if not config.has_levers:
         return ()
-    inputs = ("key", "value") if config.lever_inputs == "kv" else ()
+    inputs = config.lever_input_kinds
+    state = state if "state" in inputs else 0
     levers = []
     for kind in config.lever_kinds:
         if config.lever_layers is not None:  # in range: fit_mapper checked before its first pass
@@ -291,7 +301,7 @@ def plan_levers(config: FitConfig, report: dict, target_layers: int) -> tuple[Le
         else:
             r2 = report[kind]["r2_fit"]
             layers = tuple(sorted(sorted(range(target_layers), key=lambda j: r2[j])[: config.lever_count]))
-        levers += [Lever(kind, j, config.lags, inputs, config.mlp_hidden) for j in layers]
+        levers += [Lever(kind, j, config.lags, inputs, config.mlp_hidden, state) for j in layers]
     return tuple(levers)
 
 
@@ -345,7 +355,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     solve_start = time.perf_counter()
     weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge)
     solve_seconds = time.perf_counter() - solve_start
-    levers = plan_levers(config, report, target.info.num_layers)
+    levers = plan_levers(config, report, target.info.num_layers, source_hidden_size(source.model))
     lever_report = {}
     if levers and config.lever_top_k is not None:  # levers read fewer source layers: their own selection
         selection = dict(selection)

@@ -67,7 +67,8 @@ def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tens
                        weighted: bool = False):
     """(x, y, weight or None) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
     mask = torch.ones_like(ids)
-    sk, sv, _ = prefill_content(source.model, ids, mask)
+    reads_state = any("state" in spec.inputs for spec in specs.values())
+    sk, sv, _, *state = prefill_content(source.model, ids, mask, state=reads_state)
     hidden: dict[int, torch.Tensor] = {}
     hooks = []
     if weighted:
@@ -81,6 +82,8 @@ def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tens
         for h in hooks:
             h.remove()
     per_kind = {"key": layer_features(sk), "value": layer_features(sv)}  # (B, T, Ls, Fs)
+    if reads_state:
+        per_kind["state"] = state[0].float()[:, :, None, :]  # (B, T, 1, Hs)
     native = {"key": tk, "value": tv}
     out = {}
     for (kind, layer), spec in specs.items():
@@ -109,7 +112,7 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     from .stats import pooled_r2, ridge_solve
 
     fs, ft = source.info.kv_features, target.info.kv_features
-    specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags) for v in levers}
+    specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags, v.state) for v in levers}
     device = target.device
     stats = {key: KVStats(spec.width(fs), ft, device) for key, spec in specs.items()}
     keep = {(v.kind, v.layer) for v in levers if v.hidden}

@@ -37,7 +37,8 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from .errors import InputError
-from .transfer import MODES, Bridge, score_plain
+from .scoring import score_plain
+from .transfer import MODES, Bridge
 
 DEFAULT_MAX_GEN_TOKS = 256
 

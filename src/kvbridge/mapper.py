@@ -7,12 +7,14 @@ S selected source layers, J lags, I input kinds, N hidden units of a residual ML
 For every target layer ``l`` and for keys and values separately::
 
     x_l = concat over lags j, input kinds i, source layers s ∈ S_l of content_i,s(t − j)   # (B, T, J·I·S·Fs)
+          [then, per lag, the source's final hidden state h(t − j), when a lever reads "state"]  # + (J·Hs)
     y_l = x_l @ W_l + b_l  [+ GELU(x_l @ W1_l + b1_l) @ W2_l + b2_l]                        # (B, T, Ft)
 
 A plain layer (version-1 maps) reads lag 0 of its own kind only: ``x_l`` = the selected source
 layers' keys (for keys) or values (for values) at the same token. A :class:`Lever` widens one
-target layer's features with neighbouring tokens (``lags``), with the other cache (``inputs``), and
-adds a residual MLP (``hidden``). Lagged features before a sequence's first token are zeros.
+target layer's features with neighbouring tokens (``lags``), with the other cache and the source's final
+hidden state (``inputs``: the residual stream after its last layer, which no cache holds), and adds a
+residual MLP (``hidden``). Lagged features before a sequence's first token are zeros.
 
 Target layers that read the same features and have no MLP share one GEMM: their weights are
 concatenated along the output dimension once, when the mapper is built, so the published artifact's top_k =
@@ -36,6 +38,7 @@ from .models import ModelInfo, check_matches, check_same_tokenizer
 from .recompute import CRITERIA
 
 KINDS = ("key", "value")
+INPUTS = KINDS + ("state",)  # what a lever can read: the two caches, and the source's final hidden state
 MAX_LAG = 64
 # runtime tables stored beside the weights: never cast to the weights' dtype (keys are exact integers)
 INTEGER_TENSORS = ("recompute.bigram.keys",)
@@ -55,8 +58,9 @@ class Lever:
     kind: str  # which target cache: "key" or "value"
     layer: int  # target layer
     lags: tuple[int, ...] = (0,)  # source tokens t − j that feed target token t
-    inputs: tuple[str, ...] = ()  # source caches read; () = the same kind as the target
+    inputs: tuple[str, ...] = ()  # source caches read ("key", "value") and "state"; () = the same kind as the target
     hidden: int = 0  # width of the residual MLP; 0 = linear map only
+    state: int = 0  # width of the source's final hidden state, when ``inputs`` holds "state" (else 0)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -68,21 +72,27 @@ class Lever:
                                                                    for j in lags):
             raise ArtifactError(f"lever lags {list(lags)} must be a sorted, non-empty set of integers in "
                                 f"[0, {MAX_LAG}].")
-        if any(i not in KINDS for i in self.inputs) or len(set(self.inputs)) != len(self.inputs):
-            raise ArtifactError(f"lever inputs {list(self.inputs)} must be distinct values of {KINDS}.")
+        if any(i not in INPUTS for i in self.inputs) or len(set(self.inputs)) != len(self.inputs) or (
+                self.inputs and not set(self.inputs) & set(KINDS)):
+            raise ArtifactError(f"lever inputs {list(self.inputs)} must be distinct values of {INPUTS}, with at "
+                                "least one cache.")
+        if not isinstance(self.state, int) or self.state < 0 or (self.state > 0) != ("state" in self.inputs):
+            raise ArtifactError(f"lever state must be the source's hidden size (> 0) exactly when its inputs read "
+                                f"'state', else 0; got {self.state!r} with inputs {list(self.inputs)}.")
         if not isinstance(self.hidden, int) or self.hidden < 0:
             raise ArtifactError(f"lever hidden must be an integer >= 0, not {self.hidden!r}.")
         object.__setattr__(self, "lags", lags)
-        object.__setattr__(self, "inputs", tuple(i for i in KINDS if i in (self.inputs or (self.kind,))))
+        object.__setattr__(self, "inputs", tuple(i for i in INPUTS if i in (self.inputs or (self.kind,))))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "layer": self.layer, "lags": list(self.lags), "inputs": list(self.inputs),
+        data = {"kind": self.kind, "layer": self.layer, "lags": list(self.lags), "inputs": list(self.inputs),
                 "hidden": self.hidden}
+        return data | ({"state": self.state} if self.state else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lever:
         return cls(kind=data["kind"], layer=data["layer"], lags=tuple(data.get("lags", (0,))),
-                   inputs=tuple(data.get("inputs", ())), hidden=data.get("hidden", 0))
+                   inputs=tuple(data.get("inputs", ())), hidden=data.get("hidden", 0), state=data.get("state", 0))
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,32 @@ class RuntimeOptions:
         if not isinstance(self.sink, bool):
             raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
 
+    def override(self, hold_back: int | None = None, recompute: float | None = None, recompute_by: str | None = None,
+                 sink: bool | None = None) -> RuntimeOptions:
+        """These options with a caller's overrides (None keeps the mapper's); bad values are the caller's
+        mistake, so they raise :class:`~kvbridge.errors.InputError`, not ArtifactError."""
+        from dataclasses import replace
+
+        from .errors import InputError
+
+        if hold_back is not None and (not isinstance(hold_back, int) or isinstance(hold_back, bool)):
+            raise InputError(f"hold_back must be an integer, not {hold_back!r}.")
+        if hold_back is not None and hold_back < 1:
+            raise InputError("hold_back must be >= 1: the target must consume at least the last prompt token itself.")
+        if recompute is not None and (isinstance(recompute, bool) or not isinstance(recompute, (int, float))
+                                      or not 0.0 <= recompute <= 1.0):
+            raise InputError(f"recompute must be a fraction in [0, 1], not {recompute!r}.")
+        if sink is not None and not isinstance(sink, bool):
+            raise InputError(f"sink must be True or False, not {sink!r}.")
+        if recompute_by is not None and recompute_by not in CRITERIA:
+            raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
+        if recompute_by == "bigram" and not self.bigram_pairs:
+            raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
+                             "recompute_by='logit' or 'surprisal', or refit it.")
+        given = dict(hold_back=hold_back, recompute=None if recompute is None else float(recompute),
+                     recompute_by=recompute_by, sink=sink)
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
     def to_dict(self) -> dict[str, Any]:
         return {"hold_back": self.hold_back, "recompute": float(self.recompute), "recompute_by": self.recompute_by,
                 "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
@@ -138,14 +174,17 @@ class RuntimeOptions:
 
 @dataclass(frozen=True)
 class Features:
-    """What feeds one target layer: source layers, input kinds, lags (lag-major, then kind, then layer)."""
+    """What feeds one target layer: source layers, input kinds, lags (lag-major, then kind, then layer;
+    the final hidden state, ``state`` features wide, after the caches of each lag)."""
 
     sources: tuple[int, ...]
     inputs: tuple[str, ...]
     lags: tuple[int, ...] = (0,)
+    state: int = 0
 
     def width(self, fs: int) -> int:
-        return len(self.lags) * len(self.inputs) * len(self.sources) * fs
+        caches = sum(1 for i in self.inputs if i in KINDS)
+        return len(self.lags) * (caches * len(self.sources) * fs + (self.state if "state" in self.inputs else 0))
 
 
 @dataclass(frozen=True)
@@ -190,11 +229,17 @@ class MapperConfig:
     def features(self, kind: str, layer: int) -> Features:
         lever = self.lever(kind, layer)
         sources = tuple(self.selection[kind][layer])
-        return Features(sources, (kind,)) if lever is None else Features(sources, lever.inputs, lever.lags)
+        return Features(sources, (kind,)) if lever is None else Features(sources, lever.inputs, lever.lags,
+                                                                         lever.state)
 
     @property
     def max_lag(self) -> int:
         return max((max(v.lags) for v in self.levers), default=0)
+
+    @property
+    def reads_state(self) -> bool:
+        """Whether a lever reads the source's final hidden state: the map then needs it beside the cache."""
+        return any(v.state for v in self.levers)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name → shape of every tensor the artifact must contain."""
@@ -236,7 +281,7 @@ class MapperConfig:
 
         return {
             "format": schema.FORMAT,
-            "format_version": schema.FORMAT_VERSION,
+            "format_version": schema.version_for(self.reads_state),
             "kvbridge_version": __version__,
             "source": self.source.to_dict(),
             "target": self.target.to_dict(),
@@ -355,8 +400,8 @@ def build_features(per_kind: dict[str, torch.Tensor], spec: Features, sources: t
     parts = []
     for j in spec.lags:
         for kind in spec.inputs:
-            x = per_kind[kind][:, past - j : total - j]  # (B, T, Ls, Fs)
-            if sources is not None:
+            x = per_kind[kind][:, past - j : total - j]  # (B, T, Ls, Fs), or (B, T, 1, Hs) for the state
+            if sources is not None and kind != "state":
                 x = x.index_select(2, sources)
             if j:
                 pos = positions[:, past:] if positions is not None else torch.arange(past, total, device=x.device)[None]
@@ -525,20 +570,23 @@ class Mapper:
 
     # -- hot path ---------------------------------------------------------------------------
     def map(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: torch.Tensor | None = None,
-            past: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            past: int = 0, state: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Content-space source KV → content-space target KV.
 
         ``keys``/``values``: Ls tensors (B, Hs, P+T, Ds), keys with RoPE removed; the first ``past``
         tokens only feed lagged features of the T tokens after them. ``positions`` (B, P+T): each
         token's position (left padding: pads before position 0); lags that reach before position 0
         read zeros. Without ``positions`` column c is position c. Returns Lt tensors (B, Ht, T, Dt)
-        each, in the mapper's dtype; the caller re-applies the target's RoPE to keys.
+        each, in the mapper's dtype; the caller re-applies the target's RoPE to keys. ``state`` (B, P+T, Hs):
+        the source's final hidden states, needed exactly when a lever reads them (``config.reads_state``).
         """
-        self._check_inputs(keys, values, past)
+        self._check_inputs(keys, values, past, state)
         per_kind = {"key": layer_features(keys, self.dtype), "value": layer_features(values, self.dtype)}
+        if state is not None and self.config.reads_state:
+            per_kind["state"] = state.to(self.dtype)[:, :, None, :]  # (B, P+T, 1, Hs): one "layer"
         return self._map_kind("key", per_kind, positions, past), self._map_kind("value", per_kind, positions, past)
 
-    def _check_inputs(self, keys, values, past: int) -> None:
+    def _check_inputs(self, keys, values, past: int, state=None) -> None:
         """The source's per-layer K/V as ``map`` needs them, or one InputError that says what differs."""
         from .errors import InputError
 
@@ -556,6 +604,15 @@ class Mapper:
         if keys[0].shape != values[0].shape or not 0 <= past < keys[0].shape[2]:
             raise InputError(f"keys {tuple(keys[0].shape)} and values {tuple(values[0].shape)} must match, and past "
                              f"({past}) must leave at least one token to map.")
+        width = max((v.state for v in self.config.levers), default=0)
+        if width and state is None:
+            raise InputError("this mapper reads the source's final hidden states (a lever with input 'state'): pass "
+                             "state=… (B, T, hidden) from the source's prefill; a cache alone is not enough.")
+        b, _, t, _ = keys[0].shape
+        if width and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (b, t, width)
+                      or not state.is_floating_point()):
+            raise InputError(f"state must be a float tensor (B, T, hidden) = ({b}, {t}, {width}), the source's final "
+                             f"hidden states; got {getattr(state, 'shape', type(state).__name__)}.")
 
     def _map_kind(self, kind: str, per_kind: dict[str, torch.Tensor], positions, past: int) -> list[torch.Tensor]:
         batch, total = per_kind[kind].shape[:2]

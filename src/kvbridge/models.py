@@ -358,11 +358,17 @@ def content_kv(model, cache, position_ids: torch.Tensor) -> tuple[list[torch.Ten
 
 
 @torch.no_grad()
-def prefill_content(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Prefill (decoder only) and return ``(content keys, values, position_ids)``; Ls × (B, H, T, D)."""
+def source_hidden_size(model) -> int:
+    """Width of ``model``'s final hidden state (its decoder's output), from its text config."""
+    return int(model.config.get_text_config(decoder=True).hidden_size)
+
+
+def prefill_content(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, state: bool = False):
+    """Prefill (decoder only) and return ``(content keys, values, position_ids)``; Ls × (B, H, T, D).
+    With ``state``, a fourth item: the final hidden states (B, T, hidden)."""
     position_ids = positions_from_mask(attention_mask)
-    cache, _ = prefill(model, input_ids, attention_mask, position_ids, logits="none")
-    return (*content_kv(model, cache, position_ids), position_ids)
+    cache, hidden = prefill(model, input_ids, attention_mask, position_ids, logits="hidden" if state else "none")
+    return (*content_kv(model, cache, position_ids), position_ids) + ((hidden,) if state else ())
 
 
 def attention_queries(model, hidden: torch.Tensor, layer: int, cos, sin, positions) -> torch.Tensor:

@@ -109,3 +109,25 @@ def encode_prompts(tokenizer, prompts: Any, vocab: int, limit: int, max_new_toke
             raise InputError(f"prompt {i} is empty; give the context to prefill.")
         rows.append(tokenizer(prompt, verbose=False)["input_ids"])  # the length is checked in pad_rows, in one line
     return pad_rows(rows, pad_token_id(tokenizer), vocab, limit, max_new_tokens)
+
+
+class PromptBatches:
+    """Prompt handling of a :class:`kvbridge.Bridge`: checked, encoded, left-padded batches that both models
+    can read (needs ``source``, ``target`` and ``tokenizer`` attributes)."""
+
+    @property
+    def vocab(self) -> int:
+        return min(self.source.model.config.vocab_size, self.target.model.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions both models support (prompt plus generated or scored tokens)."""
+        return min(self.source.info.max_positions or 10**12, self.target.info.max_positions or 10**12)
+
+    def encode(self, prompts: list[str] | str, max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask (B, T); refuses empty, too short and over-long prompts."""
+        return encode_prompts(self.tokenizer, prompts, self.vocab, self.max_positions, max_new_tokens)
+
+    def pad(self, rows: list[list[int]], max_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask (B, T) of token-id rows."""
+        return pad_rows(rows, pad_token_id(self.tokenizer), self.vocab, self.max_positions, max_new_tokens)

@@ -146,16 +146,20 @@ def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor):
 
     source = bridge.source.model
     positions = positions_from_mask(mask)
-    if bridge.recompute_by == "surprisal":
+    reads_state = bridge.mapper.config.reads_state
+    if bridge.recompute_by == "surprisal" and not reads_state:
         source_cache, logits = prefill(source, ids, mask, positions, logits="all")
-        scores = surprisal(logits, ids)
-    elif bridge.recompute_by == "logit":
-        source_cache, hidden = prefill(source, ids, mask, positions, logits="hidden")
-        scores = negative_logit(source, hidden, ids)
+        scores, hidden = surprisal(logits, ids), None
     else:
-        source_cache = prefill(source, ids, mask, positions, logits="none")[0]
-        scores = bigram_surprisal(ids, bridge.mapper.weights)
-    cache = bridge.map_cache(source_cache, positions)
+        wants = bridge.recompute_by != "bigram" or reads_state
+        source_cache, hidden = prefill(source, ids, mask, positions, logits="hidden" if wants else "none")
+        if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
+            scores = surprisal(source.get_output_embeddings()(hidden), ids)
+        elif bridge.recompute_by == "logit":
+            scores = negative_logit(source, hidden, ids)
+        else:
+            scores = bigram_surprisal(ids, bridge.mapper.weights)
+    cache = bridge.map_cache(source_cache, positions, hidden if reads_state else None)
     after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
     columns = choose_columns(scores.masked_fill(after_pad, 0.0), mask, bridge.recompute, bridge.sink)
     return recompute_columns(bridge.target.model, cache, ids, mask, positions, columns)

@@ -13,16 +13,24 @@ from typing import Any
 from .errors import ArtifactError
 
 FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 2  # 2 adds "levers" (lags, inputs, residual MLPs) and "runtime"; version-1 files read as plain maps
+FORMAT_VERSION = 3  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1
+# files read as plain maps); 3 adds the lever input "state", the source's final hidden state. A file is written with
+# the lowest version that holds it (``version_for``), so maps without a state input stay readable by older releases.
 CONFIG_FILE = "mapper.json"
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
     "KV heads concatenated head-major (feature h*head_dim + d); x = selected source layers concatenated in "
     "ascending order, of the target's own kind at the same token; y = x @ weight + bias. A lever on (kind, "
     "layer) makes x the concatenation over its lags j (ascending), then its inputs (key before value), then "
-    "the selected source layers, of the source token t - j (zeros before a sequence's first token), and adds "
+    "the selected source layers, then (input 'state') the source's final hidden state (its decoder's output, "
+    "state features), of the source token t - j (zeros before a sequence's first token), and adds "
     "gelu(x @ mlp.in.weight + mlp.in.bias) @ mlp.out.weight + mlp.out.bias when hidden > 0"
 )
+
+
+def version_for(reads_state: bool) -> int:
+    """The format version a mapper is written with: the lowest that can hold it."""
+    return 3 if reads_state else 2
 
 
 # -- mapper.json validation: every field's type and range, checked before any object is built --------
@@ -100,8 +108,11 @@ def validate(data: Any) -> None:
         _get(lever, "lags", where, lambda v: isinstance(v, list) and all(_is_int(j) for j in v),
              "a list of integers", required=False)
         _get(lever, "inputs", where, lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
-             "a list of 'key'/'value'", required=False)
+             "a list of 'key'/'value'/'state'", required=False)
         _get(lever, "hidden", where, integer(0), "an integer >= 0", required=False)
+        if _get(lever, "state", where, integer(0), "an integer >= 0", required=False) and version < 3:
+            raise ArtifactError(f"{CONFIG_FILE} {where} reads the source's state, which format version {version} "
+                                "cannot hold (version 3 can); the file was edited or is corrupted.")
     runtime = _get(data, "runtime", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
     _get(runtime, "hold_back", "runtime", integer(1), "an integer >= 1", required=False)
     _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
