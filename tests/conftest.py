@@ -40,6 +40,17 @@ def corpus_texts(n: int = 400) -> list[str]:
     return (texts * (1 + n // max(len(texts), 1)))[:n]
 
 
+def model_info(name: str, layers: int, kv_heads: int, head_dim: int, *, rope=None, max_positions: int = 4096,
+               revision: str | None = None, architecture: str = "Ministral3ForCausalLM", tokenizer: str = "tok"):
+    """A ModelInfo by keyword (the one way tests build one): geometry first, identity and RoPE defaulted."""
+    from kvbridge.models import ModelInfo
+    from kvbridge.rope import RopeSpec
+
+    return ModelInfo(name_or_path=name, revision=revision, architecture=architecture, num_layers=layers,
+                     num_kv_heads=kv_heads, head_dim=head_dim, max_positions=max_positions,
+                     rope=rope or RopeSpec("llama", "default", head_dim), tokenizer_sha256=tokenizer)
+
+
 def build_tokenizer(directory, vocab_size: int = 320):
     """The embedded family's tokenizer recipe at a tiny vocabulary, trained on stdlib docstrings."""
     from kvbridge.family.train import train_tokenizer

@@ -4,20 +4,20 @@ import json
 
 import pytest
 import torch
+from conftest import model_info
 
 from kvbridge import Mapper
 from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, verify_artifact
 from kvbridge.cli import main
 from kvbridge.errors import ArtifactError
 from kvbridge.mapper import MapperConfig
-from kvbridge.models import ModelInfo
 from kvbridge.rope import RopeSpec
 
 
 def random_mapper(seed=0) -> Mapper:
     rope = RopeSpec("ministral3", "yarn", 8, {"rope_theta": 1e6, "factor": 16.0})
-    source = ModelInfo("org/small", "a" * 40, "Ministral3ForCausalLM", 3, 2, 8, 4096, rope, "tok")
-    target = ModelInfo("org/large", "b" * 40, "Ministral3ForCausalLM", 4, 2, 8, 4096, rope, "tok")
+    source = model_info("org/small", 3, 2, 8, revision="a" * 40, rope=rope)
+    target = model_info("org/large", 4, 2, 8, revision="b" * 40, rope=rope)
     selection = {"key": ((0, 1, 2),) * 4, "value": ((0, 2), (1, 2), (0, 1), (2,))}
     config = MapperConfig(source=source, target=target, selection=selection, fit={"note": "random"})
     g = torch.Generator().manual_seed(seed)

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import model_info
 
 from kvbridge.bench import map_flops, prefill_flops
 from kvbridge.cli import main
 from kvbridge.mapper import Mapper, MapperConfig
-from kvbridge.models import ModelInfo
 from kvbridge.rope import RopeSpec
 
 
@@ -32,8 +32,8 @@ def test_prefill_flops_match_a_hand_count():
 
 def test_map_flops_match_a_hand_count():
     rope = RopeSpec("llama", "default", 4)
-    src = ModelInfo("s", None, "S", 3, 2, 4, 64, rope, "t")  # Fs = 8
-    tgt = ModelInfo("t", None, "T", 2, 1, 4, 64, rope, "t")  # Ft = 4
+    src = model_info("s", 3, 2, 4, rope=rope, max_positions=64, architecture="S", tokenizer="t")  # Fs = 8
+    tgt = model_info("t", 2, 1, 4, rope=rope, max_positions=64, architecture="T", tokenizer="t")  # Ft = 4
     selection = {"key": ((0, 1, 2), (1,)), "value": ((0,), (0, 2))}
     config = MapperConfig(source=src, target=tgt, selection=selection)
     mapper = Mapper(config, {n: torch.zeros(s) for n, s in config.weight_shapes().items()})
@@ -100,8 +100,8 @@ def test_real_geometry_matches_the_published_artifact():
     assert ((small.num_hidden_layers, small.hidden_size, large.num_hidden_layers, large.hidden_size)
             == (26, 3072, 34, 4096))
     rope = RopeSpec("ministral3", "yarn", 128)
-    src = ModelInfo("3b", None, "M", 26, 8, 128, 262144, rope, "t")
-    tgt = ModelInfo("8b", None, "M", 34, 8, 128, 262144, rope, "t")
+    src = model_info("3b", 26, 8, 128, rope=rope, max_positions=262144, architecture="M", tokenizer="t")
+    tgt = model_info("8b", 34, 8, 128, rope=rope, max_positions=262144, architecture="M", tokenizer="t")
     config = MapperConfig(source=src, target=tgt, selection={k: (tuple(range(26)),) * 34 for k in ("key", "value")})
     assert config.num_parameters() == 34 * 2 * (26 * 1024 + 1) * 1024  # 1.854 B, 7.42 GB in float32
     per_token_map = map_flops(config, 1)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import model_info
 
 from kvbridge.errors import FitError, InputError
 from kvbridge.fit import FitConfig, solve
 from kvbridge.mapper import Mapper, MapperConfig, layer_features
-from kvbridge.models import ModelInfo
 from kvbridge.rope import RopeSpec, apply_rope, remove_rope
 from kvbridge.stats import CalibrationStats, KVStats
 
@@ -17,7 +17,7 @@ PLANTED = ((0, 2), (1, 3), (2, 3))  # target layer l is an affine function of th
 
 def info(layers, heads, theta):
     rope = RopeSpec("ministral3", "default", D, {"rope_theta": theta})
-    return ModelInfo("synthetic", None, "Synthetic", layers, heads, D, 4096, rope, "tok")
+    return model_info("synthetic", layers, heads, D, rope=rope, architecture="Synthetic")
 
 
 def cos_sin(theta: float, tokens: int):
@@ -120,7 +120,7 @@ def test_top_k_all_uses_every_layer_and_one_gemm():
     weights, selection, _ = solve(stats, source, target, top_k=None, ridge=0.01)
     assert all(s == tuple(range(LS)) for s in selection["key"])
     mapper = Mapper(MapperConfig(source=source, target=target, selection=selection), weights)
-    assert len(mapper._groups["key"]) == 1 and mapper._groups["key"][0].sources is None
+    assert len(mapper.groups["key"]) == 1 and mapper.groups["key"][0].sources is None
 
 
 def test_singular_gram_does_not_produce_nan():
@@ -129,8 +129,8 @@ def test_singular_gram_does_not_produce_nan():
     x = torch.randn(100, 2, dtype=torch.float64)
     stats.update(torch.cat([x, x], 1), x @ torch.ones(2, 2, dtype=torch.float64))
     cal = CalibrationStats(key=stats, value=stats)
-    src = ModelInfo("s", None, "S", 1, 1, 4, 64, RopeSpec("llama", "default", 4), "t")
-    tgt = ModelInfo("t", None, "T", 1, 1, 2, 64, RopeSpec("llama", "default", 2), "t")
+    src = model_info("s", 1, 1, 4, max_positions=64, architecture="S", tokenizer="t")
+    tgt = model_info("t", 1, 1, 2, max_positions=64, architecture="T", tokenizer="t")
     weights, _, report = solve(cal, src, tgt, top_k=None, ridge=0.0)
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert report["key"]["ridge_used"][0] > 0
@@ -141,8 +141,8 @@ def test_non_finite_statistics_raise_a_clear_error():
     stats = KVStats(2, 1)
     stats.update(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]), torch.tensor([[1.0], [2.0]]))
     cal = CalibrationStats(key=stats, value=stats)
-    src = ModelInfo("s", None, "S", 1, 1, 2, 64, RopeSpec("llama", "default", 2), "t")
-    tgt = ModelInfo("t", None, "T", 1, 1, 1, 64, RopeSpec("llama", "default", 1), "t")
+    src = model_info("s", 1, 1, 2, max_positions=64, architecture="S", tokenizer="t")
+    tgt = model_info("t", 1, 1, 1, max_positions=64, architecture="T", tokenizer="t")
     with pytest.raises(FitError, match="NaN"):
         solve(cal, src, tgt, top_k=None, ridge=0.01)
 

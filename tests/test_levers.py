@@ -5,18 +5,18 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import model_info
 
 from kvbridge import Mapper
 from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
 from kvbridge.errors import ArtifactError
 from kvbridge.hashing import sha256_file
 from kvbridge.mapper import Lever, MapperConfig
-from kvbridge.models import ModelInfo
 from kvbridge.rope import RopeSpec
 
 ROPE = RopeSpec("ministral3", "yarn", 4, {"rope_theta": 1e4})
-SOURCE = ModelInfo("org/small", None, "Ministral3ForCausalLM", 2, 2, 4, 512, ROPE, "tok")  # Fs = 8
-TARGET = ModelInfo("org/large", None, "Ministral3ForCausalLM", 3, 1, 4, 512, ROPE, "tok")  # Ft = 4
+SOURCE = model_info("org/small", 2, 2, 4, rope=ROPE, max_positions=512)  # Fs = 8
+TARGET = model_info("org/large", 3, 1, 4, rope=ROPE, max_positions=512)  # Ft = 4
 ALL = {k: ((0, 1),) * 3 for k in ("key", "value")}
 
 

@@ -149,3 +149,16 @@ def test_scoring_builds_no_autograd_graph():
     finally:
         hook.remove()
     assert seen == [False]
+
+
+def test_the_cache_keyword_is_the_one_this_transformers_takes():
+    """models.cache_keyword decides `cache` vs `past_key_values` once (5.17 takes past_key_values): it must name
+    a parameter of the installed transformers' forward and of generate's model inputs, and the output field."""
+    import inspect
+
+    from transformers import Ministral3ForCausalLM
+
+    from kvbridge.models import cache_keyword
+
+    assert cache_keyword() in inspect.signature(Ministral3ForCausalLM.forward).parameters
+    assert cache_keyword() in inspect.signature(Ministral3ForCausalLM.prepare_inputs_for_generation).parameters

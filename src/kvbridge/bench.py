@@ -169,7 +169,7 @@ def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, tr
     group's ``x @ W`` and, for a residual MLP, its two GEMMs — every FLOP :func:`map_flops` counts."""
     pairs = []
     for kind in KINDS:
-        for group in mapper._groups[kind]:
+        for group in mapper.groups[kind]:
             x = torch.randn(tokens, group.weight.shape[0], device=mapper.device, dtype=mapper.dtype)
             pairs.append((x, group.weight))
             if group.mlp is not None:

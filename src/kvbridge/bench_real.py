@@ -56,17 +56,19 @@ def build(name: str, device, dtype, tiny: bool):
     return LoadedModel(model=model, tokenizer=_VocabOnly(config.vocab_size), info=info)
 
 
-def published_config(source_info, target_info, levers: bool, source_hidden: int = 0):
+def published_config(source_info, target_info, levers: bool, source_hidden: int = 0, lever_inputs: str | None = None):
     """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
     without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
-    on the data; the cost does not)."""
+    on the data; the cost does not). ``lever_inputs`` replaces the default's (e.g. "kvs")."""
+    from dataclasses import replace
+
     from .fit import FitConfig
     from .mapper import Lever, MapperConfig
 
     all_layers = tuple(range(source_info.num_layers))
     selection = {kind: [all_layers] * target_info.num_layers for kind in ("key", "value")}
     chosen = ()
-    d = FitConfig()
+    d = FitConfig() if lever_inputs is None else replace(FitConfig(), lever_inputs=lever_inputs)
     if levers and d.has_levers:
         last = target_info.num_layers - 1
         inputs = d.lever_input_kinds
@@ -144,8 +146,10 @@ def plan_table() -> str:
     per_token_8b = prefill_flops(configs["ministral3-8b-text"], 1, 0)
     lines = ["| Mapper at the Ministral-3 3B→8B geometry | Parameters | float32 | bfloat16 | Map GFLOP/token | "
              "÷ 8B's own GFLOP/token |", "|---|---:|---:|---:|---:|---:|"]
-    for label, levers in (("plain (the published artifact's)", False), ("kvbridge fit's default levers", True)):
-        config = published_config(source, target, levers, configs["ministral3-3b-text"].hidden_size)
+    rows = (("plain (the published artifact's)", False, None), ("kvbridge fit's default levers", True, None),
+            ("the same with the source's state (--lever-inputs kvs)", True, "kvs"))
+    for label, levers, inputs in rows:
+        config = published_config(source, target, levers, configs["ministral3-3b-text"].hidden_size, inputs)
         n, f = config.num_parameters(), map_flops(config, 1)
         lines.append(f"| {label} | {n / 1e9:.3f} B | {4 * n / 1e9:.2f} GB | {2 * n / 1e9:.2f} GB | {f / 1e9:.3f} | "
                      f"{f / per_token_8b:.3f} |")

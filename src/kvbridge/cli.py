@@ -183,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
                          "that did not make it, for the record (about 20 minutes); quick: a smoke test (default: full)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
+    fr.add_argument("--seed", type=int, default=None,
+                    help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
+                         "another seed to see how much of a difference between points is the fit's chance")
     fr.add_argument("--quiet", action="store_true", help="no progress bars")
 
     bench = sub.add_parser("bench", help="latency table: native prefill vs source prefill + map, with FLOP limits",
@@ -367,6 +370,8 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_frontier(args) -> int:
+    from dataclasses import replace
+
     from . import family
     from .frontier import GRIDS, frontier_table, run_frontier
     from .models import load_model
@@ -385,8 +390,10 @@ def _cmd_frontier(args) -> int:
         source, target = family.load_family(device=args.device)
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    report = run_frontier(source, target, calibration, heldout, GRIDS["quick" if args.quick else args.grid],
-                          args.out, progress=not args.quiet)
+    grid = GRIDS["quick" if args.quick else args.grid]
+    if args.seed is not None:
+        grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
+    report = run_frontier(source, target, calibration, heldout, grid, args.out, progress=not args.quiet)
     print()
     print(frontier_table(report))
     print(f"\nwritten: {Path(args.out) / 'frontier.json'}, frontier.md, frontier.png ({report['seconds']:.0f} s)")

@@ -57,6 +57,7 @@ class FrontierConfig:
 LAGS = dict(lags=(0, 1, 2), lever_inputs="kv")
 MLP128 = dict(LAGS, mlp_hidden=128)
 MLP256 = dict(LAGS, mlp_hidden=256)
+STATE128 = dict(LAGS, lever_inputs="kvs", mlp_hidden=128)  # + the source's final hidden state at each lag
 # every point starts from the plain map: its levers are spelled out, whatever kvbridge fit's defaults are
 PLAIN = dict(lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1, lever_top_k=4,
              lever_weighting="none", mlp_hidden=0, recompute=0.0, recompute_by="logit", sink=False, hold_back=1)
@@ -68,17 +69,19 @@ FULL = FrontierConfig(  # about 9 minutes on 2 CPU cores
         Point("plain"),
         Point("lags", fit=LAGS),
         Point("lags + MLP 128", fit=MLP128),
-        Point("lags + MLP 256", fit=MLP256),
         Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit")),
         Point("lags + MLP 128 + recompute 5%", fit=MLP128, runtime=dict(recompute=0.05, recompute_by="logit")),
         Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=dict(recompute=0.1, recompute_by="logit")),
-        Point("lags + MLP 128 + hold-back 32", fit=MLP128, runtime=dict(hold_back=32)),
         Point("lags + MLP 128 + hold-back 64", fit=MLP128, runtime=dict(hold_back=64)),
+        Point("lags + state + MLP 128", fit=STATE128),
+        Point("lags + state + MLP 128 + hold-back 64", fit=STATE128, runtime=dict(hold_back=64)),
     ),
 )
 EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the record (about 20 minutes)
     fit=FIT,
     points=FULL.points + (
+        Point("lags + MLP 256", fit=MLP256),
+        Point("lags + MLP 128 + hold-back 32", fit=MLP128, runtime=dict(hold_back=32)),
         Point("lags, attention-weighted ridge", fit=dict(LAGS, lever_weighting="attention")),
         Point("lags + MLP 128 + native sink", fit=MLP128, runtime=dict(sink=True, recompute_by="logit")),
         Point("lags + MLP 128 + recompute 10% by bigram", fit=MLP128,

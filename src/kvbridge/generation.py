@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
+from .models import with_cache
 from .prompts import check_generation, pad_token_id
 
 
@@ -40,7 +41,7 @@ def generate_ids(bridge, ids: torch.Tensor, mask: torch.Tensor, mode: str = "map
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("pad_token_id", pad_token_id(bridge.tokenizer))
     try:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **with_cache(cache),
                              max_new_tokens=max_new_tokens, **generate_kwargs)
     except ValueError as exc:  # transformers validates generation options only here
         raise InputError(f"transformers' generate refused the call (usually a generation option): "

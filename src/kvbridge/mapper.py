@@ -315,7 +315,7 @@ class MapperConfig:
 
 
 @dataclass(frozen=True)
-class _Group:
+class GemmGroup:
     """Target layers reading the same features, mapped by one GEMM (and at most one residual MLP)."""
 
     features: Features
@@ -447,10 +447,11 @@ class Mapper:
         # how the fit that made it ran (time, throughput, peak memory): saved beside the artifact, outside
         # its checksummed identity, because it changes between identical fits
         self.run_report = dict(run_report or {})
-        self._groups = {kind: self._build_groups(kind) for kind in KINDS}
+        # the hot path's plan, per kind: target layers that share features share one GEMM (read-only)
+        self.groups: dict[str, list[GemmGroup]] = {kind: self._build_groups(kind) for kind in KINDS}
 
     # -- construction -----------------------------------------------------------------------
-    def _build_groups(self, kind: str) -> list[_Group]:
+    def _build_groups(self, kind: str) -> list[GemmGroup]:
         config = self.config
         groups = []
         all_layers = tuple(range(config.source.num_layers))
@@ -471,7 +472,7 @@ class Mapper:
                 for name in names:
                     self.weights[name] = self.weights[name].contiguous()
                 mlp = tuple(self.weights[name] for name in names)
-            groups.append(_Group(features=spec, sources=sources, targets=tuple(targets), weight=weight,
+            groups.append(GemmGroup(features=spec, sources=sources, targets=tuple(targets), weight=weight,
                                  bias=bias, mlp=mlp))
         return groups
 
@@ -480,7 +481,7 @@ class Mapper:
         """Bytes the mapper holds: every distinct storage behind its weights and the groups' GEMM operands."""
         storages = {}
         tensors = list(self.weights.values())
-        tensors += [t for groups in self._groups.values() for g in groups for t in (g.weight, g.bias, *(g.mlp or ()))]
+        tensors += [t for groups in self.groups.values() for g in groups for t in (g.weight, g.bias, *(g.mlp or ()))]
         for t in tensors:
             storage = t.untyped_storage()
             storages[(t.device, storage.data_ptr())] = storage.nbytes()
@@ -619,7 +620,7 @@ class Mapper:
         tokens = total - past
         ht, dt = self.config.target.num_kv_heads, self.config.target.head_dim
         out: list[torch.Tensor | None] = [None] * self.config.target.num_layers
-        for group in self._groups[kind]:
+        for group in self.groups[kind]:
             x = build_features(per_kind, group.features, group.sources, positions, past)  # (B, T, F_in)
             x = x.reshape(batch * tokens, -1)
             y = torch.addmm(group.bias, x, group.weight)  # (B·T, n·Ft)

@@ -10,6 +10,8 @@ decoder weight is missing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -313,6 +315,25 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 
+@functools.cache
+def cache_keyword() -> str:
+    """The keyword transformers' models and ``generate`` take a cache by, and the output field that returns it:
+    ``cache`` in recent releases, ``past_key_values`` before (e.g. 5.17). Decided once, here only."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def with_cache(cache) -> dict[str, Any]:
+    """``model(**with_cache(c), ...)``: pass a cache whatever this transformers calls the keyword."""
+    return {cache_keyword(): cache}
+
+
+def cache_of(output):
+    """The cache a model's forward returned (``output.cache`` or ``output.past_key_values``)."""
+    return getattr(output, cache_keyword())
+
+
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
             logits: str = "all"):
@@ -329,9 +350,9 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
                   position_ids=position_ids.to(device), use_cache=True)
     if logits in ("none", "hidden"):
         out = model.get_decoder()(**kwargs)
-        return out.cache, (out.last_hidden_state if logits == "hidden" else None)
+        return cache_of(out), (out.last_hidden_state if logits == "hidden" else None)
     out = model(**kwargs, logits_to_keep=1 if logits == "last" else 0)
-    return out.cache, out.logits
+    return cache_of(out), out.logits
 
 
 def cache_kv(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

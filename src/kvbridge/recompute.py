@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .models import cache_kv, make_cache
+from .models import cache_kv, cache_of, make_cache, with_cache
 
 CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
@@ -127,8 +127,8 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     work = make_cache(model, keys, values)  # updating it concatenates: the mapped tensors stay as they are
     out = model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
-                              cache=work, use_cache=True)
-    fresh_k, fresh_v = cache_kv(out.cache)
+                              **with_cache(work), use_cache=True)
+    fresh_k, fresh_v = cache_kv(cache_of(out))
     index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
     new_k, new_v = [], []
     for k, v, fk, fv in zip(keys, values, fresh_k, fresh_v):

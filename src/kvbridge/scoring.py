@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .errors import InputError, NumericalError
-from .models import positions_from_mask
+from .models import positions_from_mask, with_cache
 from .prompts import check_ids, check_text
 
 
@@ -85,7 +85,7 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
     positions = positions_from_mask(full_mask)[:, ids.shape[1] - m:]  # (B, m + K) of the tail
     device = next(model.parameters()).device
     out = model(input_ids=tail.to(device), attention_mask=full_mask.to(device),
-                position_ids=positions.to(device), cache=cache, use_cache=True)
+                position_ids=positions.to(device), **with_cache(cache), use_cache=True)
     logprobs = log_probs(out.logits, f"{'target' if mode != 'source' else 'source'} ({mode})")  # (B, m + K, V)
     # position m − 1 + j predicts continuation token j
     return [score_row(logprobs[i, m - 1 : m - 1 + len(cont)], cont) for i, cont in enumerate(continuations)]

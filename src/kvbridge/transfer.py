@@ -26,9 +26,11 @@ from .mapper import Mapper
 from .models import (
     LoadedModel,
     cache_kv,
+    cache_of,
     make_cache,
     positions_from_mask,
     prefill,
+    with_cache,
 )
 from .prompts import PromptBatches, check_batch
 from .recompute import selective_recompute
@@ -185,9 +187,9 @@ class Bridge(PromptBatches):
         device = next(model.parameters()).device
         m = self.held_back(mask)
         out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
-                    position_ids=positions_from_mask(mask)[:, -m:].to(device), cache=cache, use_cache=True,
+                    position_ids=positions_from_mask(mask)[:, -m:].to(device), **with_cache(cache), use_cache=True,
                     logits_to_keep=1)
-        return out.cache, out.logits[:, -1]
+        return cache_of(out), out.logits[:, -1]
 
     # -- generation (kvbridge.generation) ----------------------------------------------------------
     def generate_ids(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode = "mapped", max_new_tokens: int = 32,
