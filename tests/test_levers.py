@@ -206,7 +206,7 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
     """--lever-inputs kvs: fitted, saved, reloaded; chunked maps equal whole ones; every recompute criterion runs;
     the surprisal computed from the state equals the one from the model's own logits."""
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.models import cache_kv, load_model, prefill
+    from kvbridge.models import cache_kv, load_model, logits_from_hidden, prefill
     from kvbridge.recompute import surprisal
     from kvbridge.texts import read_texts
     from kvbridge.transfer import Bridge
@@ -231,5 +231,19 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
         assert Bridge(source, target, loaded, recompute=0.2, recompute_by=by).score_ids([[5, 9, 13, 7, 21]], [[30]])
     _, hidden = prefill(source.model, ids, mask, logits="hidden")
     _, logits = prefill(source.model, ids, mask, logits="all")
-    assert torch.allclose(surprisal(source.model.get_output_embeddings()(hidden), ids), surprisal(logits, ids),
-                          atol=1e-5)
+    assert torch.allclose(surprisal(logits_from_hidden(source.model, hidden), ids), surprisal(logits, ids), atol=1e-5)
+
+
+def test_state_widths_must_agree_with_each_other_and_with_the_source():
+    from kvbridge import family
+    from kvbridge.errors import CompatibilityError, InputError
+    from kvbridge.transfer import Bridge
+
+    other = Lever("value", 0, inputs=("key", "state"), state=6)
+    with pytest.raises(ArtifactError, match=r"different widths \[5, 6\]"):
+        MapperConfig(source=SOURCE, target=TARGET, selection=ALL, levers=(STATE, other))
+    source, target = family.load_family()  # hidden size 160, not the 5 the mapper reads
+    with pytest.raises(CompatibilityError, match="5 features; this source's is 160"):
+        Bridge(source, target, mapper((STATE,)))
+    with pytest.raises(InputError, match="unknown Bridge option.*hold_bak"):  # before any path is looked at
+        Bridge.from_pretrained("/nonexistent/s", "/nonexistent/t", "/nonexistent/m", hold_bak=4)

@@ -221,6 +221,10 @@ class MapperConfig:
             if (lever.kind, lever.layer) in seen:
                 raise ArtifactError(f"two levers for the {lever.kind}s of target layer {lever.layer}.")
             seen.add((lever.kind, lever.layer))
+        if len({v.state for v in self.levers if v.state}) > 1:
+            widths = sorted({v.state for v in self.levers if v.state})
+            raise ArtifactError(f"levers read source states of different widths {widths}; one source has one hidden "
+                                "size. The file was edited or is corrupted.")
         object.__setattr__(self, "levers", tuple(sorted(self.levers, key=lambda v: (KINDS.index(v.kind), v.layer))))
 
     def lever(self, kind: str, layer: int) -> Lever | None:

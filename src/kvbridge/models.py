@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CompatibilityError, ModelLoadError
+from .errors import CompatibilityError, ModelLoadError, UnsupportedModelError
 from .hashing import sha256_bytes, sha256_json
 from .hub import is_hub_id, snapshot
 from .rope import RopeSpec, rope_spec
@@ -378,12 +378,27 @@ def content_kv(model, cache, position_ids: torch.Tensor) -> tuple[list[torch.Ten
     return [remove_rope(k.float(), cos, sin) for k in keys], values
 
 
-@torch.no_grad()
 def source_hidden_size(model) -> int:
     """Width of ``model``'s final hidden state (its decoder's output), from its text config."""
     return int(model.config.get_text_config(decoder=True).hidden_size)
 
 
+# config fields that make a model's logits more than ``lm_head(final hidden state)`` (Gemma's softcapping,
+# Cohere's logit_scale, Granite's logits_scaling): none of the supported families has them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def logits_from_hidden(model, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) logits from the decoder's final hidden states, as the model's own forward computes them."""
+    text = model.config.get_text_config(decoder=True)
+    odd = [name for name in LOGIT_TRANSFORMS if getattr(text, name, None) not in (None, 1, 1.0)]
+    if odd:
+        raise UnsupportedModelError(f"{type(model).__name__} transforms its logits ({', '.join(odd)}); the logits "
+                                    "cannot be recomputed from its hidden states. Use recompute_by='logit'.")
+    return model.get_output_embeddings()(hidden)
+
+
+@torch.no_grad()
 def prefill_content(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, state: bool = False):
     """Prefill (decoder only) and return ``(content keys, values, position_ids)``; Ls × (B, H, T, D).
     With ``state``, a fourth item: the final hidden states (B, T, hidden)."""

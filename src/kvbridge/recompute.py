@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .models import cache_kv, cache_of, make_cache, with_cache
+from .models import cache_kv, cache_of, logits_from_hidden, make_cache, with_cache
 
 CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
@@ -154,7 +154,7 @@ def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor):
         wants = bridge.recompute_by != "bigram" or reads_state
         source_cache, hidden = prefill(source, ids, mask, positions, logits="hidden" if wants else "none")
         if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
-            scores = surprisal(source.get_output_embeddings()(hidden), ids)
+            scores = surprisal(logits_from_hidden(source, hidden), ids)
         elif bridge.recompute_by == "logit":
             scores = negative_logit(source, hidden, ids)
         else:

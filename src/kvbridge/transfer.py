@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from .errors import InputError, NumericalError
+from .errors import CompatibilityError, InputError, NumericalError
 from .generation import Generation, generate_ids, generate_texts
 from .mapper import Mapper
 from .models import (
@@ -30,6 +30,7 @@ from .models import (
     make_cache,
     positions_from_mask,
     prefill,
+    source_hidden_size,
     with_cache,
 )
 from .prompts import PromptBatches, check_batch
@@ -90,6 +91,20 @@ def check_parts(source: LoadedModel, target: LoadedModel, mapper: Mapper) -> Non
                              "or use Bridge.from_pretrained(source_id, target_id, mapper_id).")
     if not isinstance(mapper, Mapper):
         raise InputError(f"mapper must be a kvbridge.Mapper (Mapper.from_pretrained), not {type(mapper).__name__}.")
+    width = max((v.state for v in mapper.config.levers), default=0)
+    if width and width != source_hidden_size(source.model):
+        raise CompatibilityError(f"the mapper reads a source hidden state of {width} features; this source's is "
+                                 f"{source_hidden_size(source.model)}. Load the source model it was fitted for.")
+
+
+OPTIONS = ("hold_back", "allow_revision_mismatch", "chunk_tokens", "recompute", "sink", "recompute_by")
+
+
+def check_options(options: dict) -> None:
+    """Refuse a misspelled Bridge option before any model loads (from_pretrained forwards them)."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise InputError(f"unknown Bridge option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}.")
 
 
 class Bridge(PromptBatches):
@@ -117,6 +132,7 @@ class Bridge(PromptBatches):
         """Load the three from hub ids or folders; ``options`` are the constructor's (hold_back, recompute, …)."""
         from .models import check_device, load_model, resolve_dtype
 
+        check_options(options)
         for flag, dev in (("--device", device), ("--mapper-device", mapper_device), ("--target-device", target_device)):
             if dev is not None:
                 check_device(dev, flag)

@@ -41,7 +41,7 @@ import torch
 
 from ..evaluate import band_perplexity, frequent_ids, heldout_rows, recall_items
 from ..hashing import sha256_bytes
-from ..transfer import score_plain
+from ..scoring import score_plain
 from .corpus import documents
 from .train import PAD, Rows, frequent_tokens, heldout_ppl, log, recall_accuracy, recall_rows, token_stream, train
 
