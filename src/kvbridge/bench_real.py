@@ -63,7 +63,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
     from dataclasses import replace
 
     from .fit import FitConfig
-    from .mapper import Lever, MapperConfig
+    from .mapper import MapperConfig
 
     all_layers = tuple(range(source_info.num_layers))
     selection = {kind: [all_layers] * target_info.num_layers for kind in ("key", "value")}
@@ -71,9 +71,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
     d = FitConfig() if lever_inputs is None else replace(FitConfig(), lever_inputs=lever_inputs)
     if levers and d.has_levers:
         last = target_info.num_layers - 1
-        inputs = d.lever_input_kinds
-        state = source_hidden if "state" in inputs else 0
-        chosen = tuple(Lever(kind, last, d.lags, inputs, d.mlp_hidden, state) for kind in d.lever_kinds)
+        chosen = tuple(d.lever(kind, last, source_hidden) for kind in d.lever_kinds)
         if d.lever_top_k is not None:  # the lever layer reads its best lever_top_k source layers (here: the last)
             for kind in d.lever_kinds:
                 selection[kind][last] = tuple(range(max(0, source_info.num_layers - d.lever_top_k),

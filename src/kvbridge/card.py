@@ -30,10 +30,10 @@ from .artifact import (
     WEIGHTS_FILE,
     read_run_report,
 )
-from .errors import ArtifactError, InputError, KVBridgeError
+from .errors import InputError, KVBridgeError
 from .hashing import sha256_file
 from .hub import is_hub_id
-from .mapper import MapperConfig, check_mapper, read_config
+from .mapper import MapperConfig, read_config, require_verified
 from .outputs import write_text
 
 CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE = CARD_FILES
@@ -391,15 +391,9 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
     returns, in place of ``demo_json``). The artifact must verify first: a card never describes a
     corrupted mapper.
     """
-    folder = Path(artifact)
-    if not folder.is_dir():
-        raise InputError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
     if not isinstance(license_id, str) or not license_id.strip():
         raise InputError("--license must name a license (e.g. mit, apache-2.0, other).")
-    problems = check_mapper(folder)
-    if problems:
-        raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was written. "
-                            "Refit or re-download the mapper first.")
+    folder = require_verified(artifact, "written")
     config, run = read_config(folder), read_run_report(folder)
     eval_data = read_eval(eval_dir) if eval_dir else None
     bench = read_bench(bench_json) if bench_json else None

@@ -643,14 +643,9 @@ def _cmd_push(args) -> int:
     from .card import CARD_FILE
     from .errors import ArtifactError
     from .hub import push_folder
-    from .mapper import check_mapper
+    from .mapper import require_verified
 
-    folder = Path(args.mapper)
-    if not folder.is_dir():
-        raise ArtifactError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
-    problems = check_mapper(folder)
-    if problems:
-        raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was pushed.")
+    folder = require_verified(args.mapper, "pushed")
     files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())
     stale = sorted(KNOWN_FILES - set(files))  # a card or fit report of an earlier push must not describe this one
     if CARD_FILE not in files:

@@ -87,6 +87,12 @@ class FitConfig:
         """The lever inputs this setting names (() = each lever reads its own kind)."""
         return LEVER_INPUTS[self.lever_inputs]
 
+    def lever(self, kind: str, layer: int, source_hidden: int) -> Lever:
+        """The lever these settings put on (kind, layer); ``source_hidden``: the source's hidden size, recorded
+        when the inputs read its state."""
+        inputs = self.lever_input_kinds
+        return Lever(kind, layer, self.lags, inputs, self.mlp_hidden, source_hidden if "state" in inputs else 0)
+
     @property
     def has_levers(self) -> bool:
         return (self.lags != (0,) or self.lever_inputs != "same" or self.mlp_hidden > 0) and (
@@ -292,8 +298,6 @@ def plan_levers(config: FitConfig, report: dict, target_layers: int, state: int 
     the lowest fit R² of the plain map (where it loses most). ``state``: the source's hidden size."""
     if not config.has_levers:
         return ()
-    inputs = config.lever_input_kinds
-    state = state if "state" in inputs else 0
     levers = []
     for kind in config.lever_kinds:
         if config.lever_layers is not None:  # in range: fit_mapper checked before its first pass
@@ -301,7 +305,7 @@ def plan_levers(config: FitConfig, report: dict, target_layers: int, state: int 
         else:
             r2 = report[kind]["r2_fit"]
             layers = tuple(sorted(sorted(range(target_layers), key=lambda j: r2[j])[: config.lever_count]))
-        levers += [Lever(kind, j, config.lags, inputs, config.mlp_hidden, state) for j in layers]
+        levers += [config.lever(kind, j, state) for j in layers]
     return tuple(levers)
 
 

@@ -221,8 +221,8 @@ class MapperConfig:
             if (lever.kind, lever.layer) in seen:
                 raise ArtifactError(f"two levers for the {lever.kind}s of target layer {lever.layer}.")
             seen.add((lever.kind, lever.layer))
-        if len({v.state for v in self.levers if v.state}) > 1:
-            widths = sorted({v.state for v in self.levers if v.state})
+        widths = sorted({v.state for v in self.levers if v.state})
+        if len(widths) > 1:
             raise ArtifactError(f"levers read source states of different widths {widths}; one source has one hidden "
                                 "size. The file was edited or is corrupted.")
         object.__setattr__(self, "levers", tuple(sorted(self.levers, key=lambda v: (KINDS.index(v.kind), v.layer))))
@@ -241,9 +241,14 @@ class MapperConfig:
         return max((max(v.lags) for v in self.levers), default=0)
 
     @property
+    def state_width(self) -> int:
+        """The source hidden size the levers read (one source: one width, checked on construction); 0: none."""
+        return max((v.state for v in self.levers), default=0)
+
+    @property
     def reads_state(self) -> bool:
         """Whether a lever reads the source's final hidden state: the map then needs it beside the cache."""
-        return any(v.state for v in self.levers)
+        return self.state_width > 0
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name → shape of every tensor the artifact must contain."""
@@ -609,7 +614,7 @@ class Mapper:
         if keys[0].shape != values[0].shape or not 0 <= past < keys[0].shape[2]:
             raise InputError(f"keys {tuple(keys[0].shape)} and values {tuple(values[0].shape)} must match, and past "
                              f"({past}) must leave at least one token to map.")
-        width = max((v.state for v in self.config.levers), default=0)
+        width = self.config.state_width
         if width and state is None:
             raise InputError("this mapper reads the source's final hidden states (a lever with input 'state'): pass "
                              "state=… (B, T, hidden) from the source's prefill; a cache alone is not enough.")
@@ -640,6 +645,21 @@ class Mapper:
 def read_config(directory: str | Path) -> MapperConfig:
     """The validated config of the mapper folder ``directory``."""
     return MapperConfig.from_dict(artifact.read_config_json(directory))
+
+
+def require_verified(folder: str | Path, nothing_was: str) -> Path:
+    """The mapper folder ``folder``, refused unless it is a folder that :func:`check_mapper` passes
+    (``nothing_was``: what the caller did not do, e.g. "written", for the message)."""
+    from .errors import InputError
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder} is not a folder; give a mapper folder (kvbridge fit --out).")
+    problems = check_mapper(folder)
+    if problems:
+        raise ArtifactError(f"{folder} does not verify ({'; '.join(problems[:3])}); nothing was {nothing_was}. "
+                            "Refit or re-download the mapper first.")
+    return folder
 
 
 def check_mapper(directory: str | Path) -> list[str]:

@@ -91,20 +91,21 @@ def check_parts(source: LoadedModel, target: LoadedModel, mapper: Mapper) -> Non
                              "or use Bridge.from_pretrained(source_id, target_id, mapper_id).")
     if not isinstance(mapper, Mapper):
         raise InputError(f"mapper must be a kvbridge.Mapper (Mapper.from_pretrained), not {type(mapper).__name__}.")
-    width = max((v.state for v in mapper.config.levers), default=0)
-    if width and width != source_hidden_size(source.model):
+    width, hidden = mapper.config.state_width, source_hidden_size(source.model)
+    if width and width != hidden:
         raise CompatibilityError(f"the mapper reads a source hidden state of {width} features; this source's is "
-                                 f"{source_hidden_size(source.model)}. Load the source model it was fitted for.")
+                                 f"{hidden}. Load the source model it was fitted for.")
 
 
-OPTIONS = ("hold_back", "allow_revision_mismatch", "chunk_tokens", "recompute", "sink", "recompute_by")
+def check_options(constructor, options: dict) -> None:
+    """Refuse a misspelled Bridge option before any model loads (from_pretrained forwards them): the options
+    are the constructor's keyword parameters, read from its signature."""
+    import inspect
 
-
-def check_options(options: dict) -> None:
-    """Refuse a misspelled Bridge option before any model loads (from_pretrained forwards them)."""
-    unknown = sorted(set(options) - set(OPTIONS))
+    known = [p for p in inspect.signature(constructor).parameters if p not in ("self", "source", "target", "mapper")]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise InputError(f"unknown Bridge option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}.")
+        raise InputError(f"unknown Bridge option(s) {', '.join(unknown)}; the options are {', '.join(known)}.")
 
 
 class Bridge(PromptBatches):
@@ -132,7 +133,7 @@ class Bridge(PromptBatches):
         """Load the three from hub ids or folders; ``options`` are the constructor's (hold_back, recompute, …)."""
         from .models import check_device, load_model, resolve_dtype
 
-        check_options(options)
+        check_options(cls.__init__, options)
         for flag, dev in (("--device", device), ("--mapper-device", mapper_device), ("--target-device", target_device)):
             if dev is not None:
                 check_device(dev, flag)
