@@ -109,3 +109,12 @@ def test_real_geometry_matches_the_published_artifact():
     assert per_token_map / 1e9 == pytest.approx(3.7, abs=0.01)
     # the map is close to a quarter of the 8B's own per-token prefill work
     assert 0.2 < per_token_map / prefill_flops(large, 1, 0) < 0.3
+
+
+def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):
+    """`python -m kvbridge.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""
+    from kvbridge.bench_real import main
+
+    main(["--fit", "--tiny", "--device", "cpu", "--dtype", "float32", "--fit-texts", "8", "--fit-seq-len", "64"])
+    out = capsys.readouterr().out
+    assert "8 × 64 tokens" in out and "measured" in out and "planned" in out and "measured/planned" in out

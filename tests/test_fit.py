@@ -167,3 +167,47 @@ def test_weighted_statistics_equal_repeated_observations():
     assert weighted.n == repeated.n
     for name in ("mean_x", "mean_y", "gram", "cross", "ssq_y"):
         assert torch.allclose(getattr(weighted, name), getattr(repeated, name), rtol=1e-10, atol=1e-9), name
+
+
+def test_blocked_products_and_buffered_updates_equal_one_product():
+    """Blocks smaller than the features (and not dividing them) and a buffer that flushes mid-batch change
+    nothing but rounding: the accelerator never needs a Gram-sized tensor."""
+    from kvbridge.stats import ObservationBuffer
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(90, 11, generator=g, dtype=torch.float64) * 3 + 50
+    y = x[:, :4] @ torch.randn(4, 6, generator=g, dtype=torch.float64) + torch.randn(90, 6, generator=g,
+                                                                                     dtype=torch.float64)
+    w = torch.rand(90, generator=g, dtype=torch.float64) + 0.5
+    whole, blocked, buffered = KVStats(11, 6, block=1 << 20), KVStats(11, 6, block=3), KVStats(11, 6, block=4)
+    whole.update(x, y, w)
+    blocked.update(x, y, w)
+    ref = KVStats(11, 6)
+    ref.update(x, y)
+    buffer = ObservationBuffer(buffered, rows=25)
+    for start in range(0, 90, 20):  # 20-row batches into a 25-row buffer
+        buffer.add(x[start:start + 20], y[start:start + 20])
+    assert buffer.held == 15
+    buffer.close()
+    for name in ("mean_x", "mean_y", "gram", "cross", "ssq_y"):
+        assert torch.allclose(getattr(blocked, name), getattr(whole, name), rtol=1e-11, atol=1e-8), name
+        assert torch.allclose(getattr(buffered, name), getattr(ref, name), rtol=1e-11, atol=1e-8), name
+    assert buffered.n == 90
+
+
+def test_r2_from_the_factor_equals_r2_from_the_gram():
+    """R² = 1 − SSE/SST with SSE computed from G explicitly, and from (G + λI)W = C as the solve does."""
+    from kvbridge.stats import ridge_factor
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(200, 9, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(9, 4, generator=g, dtype=torch.float64) + torch.randn(200, 4, generator=g, dtype=torch.float64)
+    s = KVStats(9, 4)
+    s.update(x, y)
+    before = s.gram.clone()
+    f = ridge_factor(s.gram, 0.3)
+    w = f.solve(s.cross)
+    sst = s.ssq_y.sum()
+    sse = sst - 2 * (w * s.cross).sum() + (w * (s.gram @ w)).sum()
+    assert f.r2(w, s.cross, sst) == pytest.approx(float(1 - sse / sst), rel=1e-10)
+    assert torch.equal(s.gram, before) and f.relative == 0.3  # the statistics are not changed by the factor

@@ -156,6 +156,43 @@ def plan_table() -> str:
     return "\n".join(lines)
 
 
+def fit_lines(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len: int, stride: int,
+              batch_size: int = 4) -> list[str]:
+    """The plain published fit (every source layer for every target layer, ridge 0.01) on random models and
+    random token ids: its time and measured peak beside the plan's. The models are not counted in either."""
+    from .fit import FitConfig, solve
+    from .plan import measured_peak, model_shape, plan
+    from .stats import collect_statistics
+
+    source = build("ministral3-3b-text", device, dtype, tiny)
+    target = build("ministral3-8b-text", device, dtype, tiny)
+    config = FitConfig(num_texts=texts, seq_len=seq_len, stride=stride, batch_size=batch_size, heldout_texts=0,
+                       lags=(0,), lever_inputs="same", mlp_hidden=0)
+    ids = torch.randint(12, source.tokenizer.vocab, (texts, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def fit():
+        start = time.perf_counter()
+        stats = collect_statistics(source, target, ids, stride, batch_size)
+        captured = time.perf_counter()
+        _, _, report = solve(stats, source.info, target.info, None, config.ridge, device)
+        return captured - start, time.perf_counter() - captured, report
+
+    (capture_s, solve_s, report), measured = measured_peak(fit, device)
+    name = str(dtype).replace("torch.", "")
+    planned = plan(model_shape(source.model.config), model_shape(target.model.config), config, device, name)
+    phases = {p["name"]: p for p in planned["fit_phases"]}
+    cpu = torch.device(device).type == "cpu"
+    predicted = max(p["device"] + (p["host"] if cpu else 0) for n, p in phases.items() if n in ("capture", "solve"))
+    return [
+        f"fit at the {'tiny' if tiny else 'Ministral-3 3B→8B'} geometry on {device} ({name}, random weights and "
+        f"ids): {texts} × {seq_len} tokens, stride {stride}, every source layer for every target layer",
+        f"  capture {capture_s:.1f} s, solve {solve_s:.1f} s; key R² {report['key']['r2_fit_mean']:.3f}",
+        f"  peak beyond the models: measured {measured / 2**30:.3f} GiB "
+        f"({'tensor-bytes account, host and device' if cpu else 'CUDA allocator'}), planned {predicted / 2**30:.3f} "
+        f"GiB (kvbridge plan: capture and solve), measured/planned {measured / predicted:.2f}",
+    ]
+
+
 def main(argv=None) -> None:
     from .bench import bench_table, device_name, run_bench
     from .outputs import check_output_file, write_text
@@ -175,6 +212,12 @@ def main(argv=None) -> None:
                         help="time a mapper with kvbridge fit's default levers instead of the plain published one")
     parser.add_argument("--plan", action="store_true",
                         help="only print parameters, size and FLOPs per token of the plain and levered mappers")
+    parser.add_argument("--fit", action="store_true",
+                        help="only fit the plain published map on random models and ids (--fit-texts × --fit-seq-len "
+                             "tokens) and print its time and peak memory beside kvbridge plan's")
+    parser.add_argument("--fit-texts", type=int, default=500, help="calibration sequences for --fit (default: 500)")
+    parser.add_argument("--fit-seq-len", type=int, default=1024, help="tokens per sequence for --fit (default: 1024)")
+    parser.add_argument("--fit-stride", type=int, default=4, help="observe every S-th token for --fit (default: 4)")
     parser.add_argument("--resident", action="store_true",
                         help="only build the plain published mapper (zero weights, bfloat16, on --device) and print "
                              "the memory it holds (about 7.4 GB at peak while it is built)")
@@ -184,6 +227,10 @@ def main(argv=None) -> None:
         return
     if args.resident:
         print(resident_line(args.device))
+        return
+    if args.fit:
+        print("\n".join(fit_lines(args.device, getattr(torch, args.dtype), args.tiny, args.fit_texts,
+                                  args.fit_seq_len, args.fit_stride)))
         return
     if args.json:
         check_output_file(args.json, "--json")

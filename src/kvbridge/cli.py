@@ -108,6 +108,28 @@ def _lever_settings(args) -> dict:
                 recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
 
 
+def _add_fit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-texts", type=int, default=160,
+                     help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
+    p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
+    p.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
+    p.add_argument("--ridge", type=float, default=0.01,
+                     help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    p.add_argument("--heldout-texts", type=int, default=4,
+                     help="sequences for the held-out R², cut from the last documents, which the fit then does not "
+                          "read (default: 4; 0 to skip)")
+
+
+def _fit_config(args):
+    from .fit import FitConfig
+
+    return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
+                     ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
+                     **_lever_settings(args))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge",
@@ -126,19 +148,32 @@ def _parser() -> argparse.ArgumentParser:
     _add_pair(fit)
     fit.add_argument("--texts", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
     fit.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
-    fit.add_argument("--num-texts", type=int, default=160,
-                     help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
-    fit.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
-    fit.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
-    fit.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
-    fit.add_argument("--ridge", type=float, default=0.01,
-                     help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
-    fit.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    fit.add_argument("--heldout-texts", type=int, default=4,
-                     help="sequences for the held-out R², cut from the last documents, which the fit then does not "
-                          "read (default: 4; 0 to skip)")
+    _add_fit_options(fit)
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_levers(fit)
+
+    pl = sub.add_parser("plan", help="predict a fit's and the runtime's memory from the two configs alone",
+                        description="Peak memory and FLOPs of `kvbridge fit` with these options (per phase, on the "
+                                    "host and on the fit's device) and of a mapped prefill per context length, from "
+                                    "the models' configs: no weights are loaded. --source/--target take a folder, a "
+                                    "config.json, a hub id (its config only), or a shipped config "
+                                    "(ministral3-3b-text, ministral3-8b-text; also their Reasoning-2512 hub ids) "
+                                    "that works offline.", epilog=EPILOG)
+    g = pl.add_argument_group("models")
+    g.add_argument("--source", required=True, help="source config: folder, config.json, hub id or shipped name")
+    g.add_argument("--target", required=True, help="target config: folder, config.json, hub id or shipped name")
+    g.add_argument("--source-revision", help="hub revision of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--device", default="cuda", help="the fit's device: cuda (default) or cpu (host and device are "
+                                                   "then one memory and add up)")
+    g.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, "
+                                                  "bfloat16, float16")
+    pl.add_argument("--contexts", default="1024,8192,32768", help="runtime context lengths (default: 1024,8192,32768)")
+    pl.add_argument("--batch", type=int, default=1, help="runtime batch size (default: 1)")
+    pl.add_argument("--json", help="also write the plan (bytes; fit_peak_bytes = the fit's peak beyond the model "
+                                   "weights) to this file")
+    _add_fit_options(pl)
+    _add_levers(pl)
 
     gen = sub.add_parser("generate", help="answer a prompt from a mapped cache (optionally beside native)",
                          description="The source prefills the prompt except its last token(s), the mapper builds the "
@@ -287,25 +322,45 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_fit(args) -> int:
+    from . import distributed
     from .artifact import check_writable_artifact_dir
-    from .fit import FitConfig, fit_mapper
-    from .mapper import check_mapper
-    from .models import check_device, load_model, resolve_dtype
+    from .models import check_device
     from .texts import read_texts
 
-    config = FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
-                       ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
-                       **_lever_settings(args))
+    config = _fit_config(args)
     texts = read_texts(args.texts)
     out = check_output_dir(args.out)
     check_writable_artifact_dir(out)  # before minutes of fitting, not after
-    dtype = resolve_dtype(args.dtype, args.device)
+    device = args.device
+    if distributed.launched():
+        if args.target_device:
+            raise KVBridgeError("under torchrun each process holds both models on its own device: drop "
+                                "--target-device.")
+        check_device(device)
+        device = distributed.start(device)
+    try:
+        return _fit_and_write(args, config, texts, out, device)
+    finally:
+        distributed.stop()
+
+
+def _fit_and_write(args, config, texts, out, device) -> int:
+    from . import distributed
+    from .fit import fit_mapper
+    from .mapper import check_mapper
+    from .models import check_device, load_model, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
     if args.target_device:
         check_device(args.target_device, "--target-device")
-    _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {args.device})")
-    source = load_model(args.source, args.source_revision, args.device, dtype)
-    target = load_model(args.target, args.target_revision, args.target_device or args.device, dtype)
+    main_process = distributed.is_main()
+    if main_process:
+        _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {device})")
+    source = load_model(args.source, args.source_revision, device, dtype)
+    target = load_model(args.target, args.target_revision, args.target_device or device, dtype)
     mapper = fit_mapper(source, target, texts, config, progress=not args.quiet)
+    if not main_process:
+        return 0
     mapper.save_pretrained(out)
     problems = check_mapper(out)
     if problems:
@@ -325,6 +380,36 @@ def _cmd_fit(args) -> int:
             _log(f"warning: the {kind} map explains less than 10% of the target's variance (R² "
                  f"{f[f'{kind}_r2_fit_mean']:.3f}); a smaller --ridge, more --num-texts, or another pair may help.")
     print(f"saved and verified: {out}")
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    import json
+
+    import torch
+
+    from .models import resolve_dtype
+    from .plan import model_shape, parse_contexts, plan, plan_table, read_config
+
+    config = _fit_config(args)
+    contexts = parse_contexts(args.contexts)
+    if args.batch < 1:
+        raise KVBridgeError("--batch must be at least 1.")
+    if args.json:
+        check_output_file(args.json, "--json")
+    try:
+        cpu = torch.device(args.device).type == "cpu"
+    except RuntimeError:
+        raise KVBridgeError(f"--device {args.device!r} is not a device name; use e.g. cuda, cuda:1 or cpu.") from None
+    # the device is planned for, not used: it need not exist here
+    dtype = str(resolve_dtype("float32" if cpu else "bfloat16", "cpu") if args.dtype == "auto" else
+                resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
+    source = model_shape(read_config(args.source, args.source_revision), args.source)
+    target = model_shape(read_config(args.target, args.target_revision), args.target)
+    result = plan(source, target, config, args.device, dtype, contexts, args.batch)
+    print(plan_table(result))
+    if args.json:
+        write_text(args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -682,7 +767,7 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-COMMANDS = {"fit": _cmd_fit, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
+COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
             "frontier": _cmd_frontier,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
             "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}

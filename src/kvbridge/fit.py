@@ -35,8 +35,7 @@ from .stats import (
     KVStats,
     collect_statistics,
     iter_batches,
-    pooled_r2,
-    ridge_solve,
+    ridge_factor,
 )
 from .texts import calibration_sequences, split_heldout_documents
 
@@ -195,17 +194,17 @@ def _feature_index(layers: tuple[int, ...], features: int, device) -> torch.Tens
     return torch.cat([torch.arange(l * features, (l + 1) * features, device=device) for l in layers])
 
 
-def single_layer_r2(stats: KVStats, fs: int, ls: int, ft: int, lt: int, ridge: float) -> torch.Tensor:
+def single_layer_r2(stats: KVStats, fs: int, ls: int, ft: int, lt: int, ridge: float,
+                    device: str | torch.device | None = None) -> torch.Tensor:
     """(Ls, Lt) in-sample ridge R² of predicting each target layer from each single source layer."""
     scores = torch.empty(ls, lt, dtype=torch.float64)
     for s in range(ls):
         rows = _layer_slice(s, fs)
-        g = stats.gram[rows, rows]
-        w, _ = ridge_solve(g, stats.cross[rows], ridge)  # (Fs, Lt·Ft)
-        gw = g @ w
+        f = ridge_factor(stats.gram[rows, rows], ridge, device)
         for l in range(lt):
             cols = _layer_slice(l, ft)
-            scores[s, l] = pooled_r2(w[:, cols], stats.cross[rows, cols], gw[:, cols], stats.ssq_y[cols].sum())
+            c = stats.cross[rows, cols]
+            scores[s, l] = f.r2(f.solve(c), c, stats.ssq_y[cols].sum())
     return scores
 
 
@@ -216,9 +215,13 @@ def select_layers(scores: torch.Tensor, top_k: int) -> tuple[tuple[int, ...], ..
     return tuple(tuple(sorted(torch.topk(scores[:, l], k).indices.tolist())) for l in range(lt))
 
 
-def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, ridge: float):
+def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, ridge: float,
+          device: str | torch.device | None = None):
     """Select layers and solve the affine ridge maps for K and V.
 
+    Target layers that read the same source layers share one Cholesky factor; each layer's weights are
+    then solved from its own columns of C, so the solve ``device`` holds one copy of G_SS, its factor and
+    one layer's C and W (the statistics stay where they are, in host memory for a fit).
     Returns ``(weights, selection, report)`` with float32 weights named as in the artifact.
     """
     fs, ls = source_info.kv_features, source_info.num_layers
@@ -233,7 +236,7 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
             chosen = tuple(tuple(range(ls)) for _ in range(lt))
             scores = None
         else:
-            scores = single_layer_r2(s, fs, ls, ft, lt, ridge)
+            scores = single_layer_r2(s, fs, ls, ft, lt, ridge, device)
             chosen = select_layers(scores, k)
         selection[kind] = chosen
         r2 = [0.0] * lt
@@ -242,20 +245,22 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
         for l, layers in enumerate(chosen):
             by_selection.setdefault(layers, []).append(l)
         for layers, targets in by_selection.items():
+            every = layers == tuple(range(ls))  # the whole Gram: no index copy
             idx = _feature_index(layers, fs, s.gram.device)
-            g = s.gram.index_select(0, idx).index_select(1, idx)
-            cols = torch.cat([torch.arange(l * ft, (l + 1) * ft, device=s.gram.device) for l in targets])
-            c = s.cross.index_select(0, idx).index_select(1, cols)
-            w, effective = ridge_solve(g, c, ridge)  # (S·Fs, n·Ft) float64
-            gw = g @ w
-            for i, l in enumerate(targets):
-                block = slice(i * ft, (i + 1) * ft)
-                r2[l] = pooled_r2(w[:, block], c[:, block], gw[:, block], s.ssq_y[_layer_slice(l, ft)].sum())
-                used_ridge[l] = effective
-                wl = w[:, block]
-                bias = s.mean_y[_layer_slice(l, ft)] - s.mean_x.index_select(0, idx) @ wl
-                weights[f"{kind}.{l}.weight"] = wl.float().cpu().contiguous()
+            g = s.gram if every else s.gram.index_select(0, idx).index_select(1, idx)
+            factor = ridge_factor(g, ridge, device)
+            del g
+            mean_x = s.mean_x if every else s.mean_x.index_select(0, idx)
+            for l in targets:
+                cols = _layer_slice(l, ft)
+                c = s.cross[:, cols] if every else s.cross[:, cols].index_select(0, idx)
+                w = factor.solve(c)  # (S·Fs, Ft) float64 on the solve device
+                r2[l] = factor.r2(w, c, s.ssq_y[cols].sum())
+                used_ridge[l] = factor.relative
+                bias = s.mean_y[cols].to(w.device) - mean_x.to(w.device) @ w
+                weights[f"{kind}.{l}.weight"] = w.float().cpu().contiguous()
                 weights[f"{kind}.{l}.bias"] = bias.float().cpu().contiguous()
+            del factor
         report[kind] = {
             "r2_fit": r2,
             "r2_fit_mean": sum(r2) / lt,
@@ -318,8 +323,12 @@ def _peak_memory_bytes(device) -> int:
 
 
 def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], config: FitConfig,
-               progress: bool = True) -> Mapper:
+               progress: bool = True) -> Mapper | None:
     """Fit a mapper from ``source`` to ``target`` on ``texts``.
+
+    Under torch.distributed (see :mod:`kvbridge.distributed`) every process calls it: each reads its share
+    of the calibration sequences, the statistics are all-reduced, rank 0 solves and returns the mapper and
+    the other processes return None.
 
     The last documents, enough for ``heldout_texts`` sequences, are held out whole for the held-out
     R²; the fit reads the first ``num_texts`` sequences of the others. ``calibration_sha256`` in
@@ -355,9 +364,13 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     held_seqs = (calibration_sequences(target.tokenizer, held_texts, config.heldout_texts, config.seq_len)
                  if held_texts else fit_seqs[:0])
     start = time.perf_counter()
-    stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size, device, progress)
+    from .distributed import is_main
+
+    stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size, progress and is_main())
+    if not is_main():  # under torch.distributed: this process's share is in rank 0's statistics now
+        return None
     solve_start = time.perf_counter()
-    weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge)
+    weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge, device)
     solve_seconds = time.perf_counter() - solve_start
     levers = plan_levers(config, report, target.info.num_layers, source_hidden_size(source.model))
     lever_report = {}
@@ -365,13 +378,16 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         selection = dict(selection)
         for kind in {v.kind for v in levers}:
             scores = single_layer_r2(getattr(stats, kind), source.info.kv_features, source.info.num_layers,
-                                     target.info.kv_features, target.info.num_layers, config.ridge)
+                                     target.info.kv_features, target.info.num_layers, config.ridge, device)
             best = select_layers(scores, min(config.lever_top_k, config.top_k or config.lever_top_k))
             chosen = list(selection[kind])
             for v in levers:
                 if v.kind == kind:
                     chosen[v.layer] = best[v.layer]
             selection[kind] = tuple(chosen)
+    seen = {"observations": stats.observations, "tokens": stats.tokens, "seconds": stats.seconds,
+            "flops": stats.update_flops()}
+    del stats  # the levers gather their own statistics: host memory holds one set at a time
     if levers:
         from .levers import MLPBudget, fit_levers
 
@@ -385,8 +401,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     run_report = {  # volatile: kept out of mapper.json so that identical fits give identical checksums
         "fit_seconds": round(fit_seconds, 3),
         "solve_seconds": round(solve_seconds, 3),
-        "observations_per_second": round(stats.observations / max(stats.seconds, 1e-9), 1),
-        "statistics_gflop_per_second": round(stats.update_flops() / max(stats.seconds, 1e-9) / 1e9, 3),
+        "observations_per_second": round(seen["observations"] / max(seen["seconds"], 1e-9), 1),
+        "statistics_gflop_per_second": round(seen["flops"] / max(seen["seconds"], 1e-9) / 1e9, 3),
         "peak_memory_bytes": _peak_memory_bytes(device),
         "peak_memory_kind": "device allocator" if device.type == "cuda" else "process RSS (CPU)",
         "torch_threads": torch.get_num_threads(),
@@ -395,8 +411,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
         "levers": lever_report,
         "ridge_scaling": RIDGE_SCALING,
-        "observations": stats.observations,
-        "tokens": stats.tokens,
+        "observations": seen["observations"],
+        "tokens": seen["tokens"],
         "calibration_sha256": sha256_texts(texts),
         "calibration_token_ids_sha256": _ids_sha(fit_seqs),
         "device": str(device),

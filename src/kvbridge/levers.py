@@ -109,12 +109,12 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     """
     from tqdm.auto import tqdm
 
-    from .stats import pooled_r2, ridge_solve
+    from .stats import ridge_factor
 
     fs, ft = source.info.kv_features, target.info.kv_features
     specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags, v.state) for v in levers}
     device = target.device
-    stats = {key: KVStats(spec.width(fs), ft, device) for key, spec in specs.items()}
+    stats = {key: KVStats(spec.width(fs), ft) for key, spec in specs.items()}  # in host memory
     keep = {(v.kind, v.layer) for v in levers if v.hidden}
     kept: dict[tuple, list] = {key: [] for key in keep}
     positions = torch.arange(0, sequences.shape[1], stride)
@@ -134,13 +134,17 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     weights, report = {}, {}
     for lever in levers:
         key, name = (lever.kind, lever.layer), f"{lever.kind}.{lever.layer}"
-        s = stats[key]
-        w, used = ridge_solve(s.gram, s.cross, ridge)  # (F_in, Ft) float64
+        s = stats.pop(key)  # freed once solved
+        factor = ridge_factor(s.gram, ridge, device)
+        w = factor.solve(s.cross)  # (F_in, Ft) float64 on the target's device
+        r2_linear, factor_ridge = factor.r2(w, s.cross, s.ssq_y.sum()), factor.relative
+        del factor
+        w = w.cpu()
         bias = s.mean_y - s.mean_x @ w
         weights[f"{name}.weight"] = w.float().cpu().contiguous()
         weights[f"{name}.bias"] = bias.float().cpu().contiguous()
         report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "weighting": weighting,
-                        "ridge_used": used, "r2_fit_linear": pooled_r2(w, s.cross, s.gram @ w, s.ssq_y.sum())}
+                        "ridge_used": factor_ridge, "r2_fit_linear": r2_linear}
         if lever.hidden:
             x = torch.cat([a for a, _ in kept[key]])  # (N, F_in)
             residual = torch.cat([b for _, b in kept.pop(key)])  # (N, Ft): the native target features ...

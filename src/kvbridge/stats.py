@@ -11,9 +11,14 @@ For keys and for values separately we keep, in float64::
     cross  (Fx, Fy)  Σ (x − x̄)(y − ȳ)ᵀ
     ssq_y  (Fy,)     Σ (y − ȳ)²              per target feature (for R²)
 
-Each batch is centered on its own mean, then merged with the running totals by the pairwise
-update of Chan, Golub & LeVeque; the same :meth:`KVStats.merge` combines shards from other
-processes exactly (to float64 rounding). Memory is fixed by the geometry, not by the data size.
+Each update is centered on its own mean, then merged with the running totals by the pairwise
+update of Chan, Golub & LeVeque; the same :meth:`KVStats.merge` combines shards exactly (to float64
+rounding), and :meth:`KVStats.all_reduce` does it across torch.distributed processes.
+
+Where the memory goes: the totals live in host memory; observations are gathered on the models'
+device in their dtype (:class:`ObservationBuffer`) and added ``block`` × ``block`` features at a
+time, so the device never holds a Gram-sized tensor. Memory is fixed by the geometry, not by the
+data size; ``kvbridge plan`` predicts it.
 """
 
 from __future__ import annotations
@@ -27,59 +32,128 @@ from .errors import FitError, InputError
 from .mapper import layer_features
 from .models import LoadedModel, prefill_content
 
-
 # -- statistics --------------------------------------------------------------------------------
-class KVStats:
-    """Centered, mergeable second-order statistics of (source features x, target features y)."""
+BLOCK = 4096  # features per side of one product block: its float64 transient is BLOCK² × 8 bytes (128 MiB)
 
-    def __init__(self, fx: int, fy: int, device: str | torch.device = "cpu"):
+
+class KVStats:
+    """Centered, mergeable second-order statistics of (source features x, target features y).
+
+    The totals live on ``device`` (the fit keeps them in host memory); :meth:`update` computes the products
+    on the device its observations are on, ``block`` × ``block`` features at a time, and adds each block into
+    the totals, so the accelerator never holds a Gram-sized tensor.
+    """
+
+    def __init__(self, fx: int, fy: int, device: str | torch.device = "cpu", block: int = BLOCK):
         f64 = dict(dtype=torch.float64, device=device)
         self.n = 0
+        self.block = block
         self.mean_x = torch.zeros(fx, **f64)
         self.mean_y = torch.zeros(fy, **f64)
         self.gram = torch.zeros(fx, fx, **f64)
         self.cross = torch.zeros(fx, fy, **f64)
         self.ssq_y = torch.zeros(fy, **f64)
 
-    def _absorb(self, n, mean_x, mean_y, gram, cross, ssq_y) -> None:
-        """Pairwise merge of another block's centered totals into these (in place)."""
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 8 for t in (self.mean_x, self.mean_y, self.gram, self.cross, self.ssq_y))
+
+    def _shift(self, n, mean_x, mean_y) -> float:
+        """Chan, Golub & LeVeque: add the between-block terms of merging ``n`` observations with these means,
+        move the means and count; returns 0 when there is nothing to merge. The caller adds the block's own
+        centered totals."""
         if n == 0:
-            return
+            return 0
         total = self.n + n
-        dx, dy = mean_x - self.mean_x, mean_y - self.mean_y
+        dx, dy = mean_x.to(self.gram.device) - self.mean_x, mean_y.to(self.gram.device) - self.mean_y
         w = self.n * n / total  # weight of the between-block term
-        self.gram += gram
         self.gram.addr_(dx, dx, alpha=w)
-        self.cross += cross
         self.cross.addr_(dx, dy, alpha=w)
-        self.ssq_y += ssq_y + w * dy * dy
+        self.ssq_y.add_(dy * dy, alpha=w)
         self.mean_x += dx * (n / total)
         self.mean_y += dy * (n / total)
         self.n = total
+        return n
+
+    def _absorb(self, n, mean_x, mean_y, gram, cross, ssq_y) -> None:
+        """Pairwise merge of another block's centered totals into these (in place)."""
+        if self._shift(n, mean_x, mean_y):
+            self.gram += gram.to(self.gram.device)
+            self.cross += cross.to(self.gram.device)
+            self.ssq_y += ssq_y.to(self.gram.device)
 
     def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Add observations x (N, Fx), y (N, Fy), optionally weighted (N,): then ``n`` sums the weights."""
-        x = x.to(self.gram.device, torch.float64)
-        y = y.to(self.gram.device, torch.float64)
-        if weight is None:
-            mx, my = x.mean(0), y.mean(0)
-            xc, yc = x - mx, y - my
-            self._absorb(x.shape[0], mx, my, xc.T @ xc, xc.T @ yc, (yc * yc).sum(0))
+        """Add observations x (N, Fx), y (N, Fy), optionally weighted (N,): then ``n`` sums the weights.
+
+        Means and products are computed in float64 on the observations' device, one block of features at a
+        time; only the block being added is ever in float64 there.
+        """
+        b = self.block
+        w = None if weight is None else weight.to(x.device, torch.float64)[:, None]  # (N, 1)
+        n = x.shape[0] if w is None else float(w.sum())
+
+        def mean(t):
+            return torch.cat([(t[:, s : s + b].double() * (1 if w is None else w)).sum(0)
+                              for s in range(0, t.shape[1], b)]) / n
+
+        mx, my = mean(x), mean(y)
+        if not self._shift(n, mx, my):
             return
-        w = weight.to(self.gram.device, torch.float64)[:, None]  # (N, 1)
-        total = float(w.sum())
-        mx, my = (w * x).sum(0) / total, (w * y).sum(0) / total
-        xc, yc = x - mx, y - my
-        self._absorb(total, mx, my, (w * xc).T @ xc, (w * xc).T @ yc, (w * yc * yc).sum(0))
+
+        def centered(t, m, s):  # (N, ≤b) float64 block of t − m
+            return t[:, s : s + b].double() - m[s : s + b]
+
+        for r in range(0, x.shape[1], b):
+            left = centered(x, mx, r)
+            if w is not None:
+                left = left * w
+            for s in range(0, x.shape[1], b):
+                self.gram[r : r + b, s : s + b] += (left.T @ centered(x, mx, s)).to(self.gram.device)
+            for s in range(0, y.shape[1], b):
+                self.cross[r : r + b, s : s + b] += (left.T @ centered(y, my, s)).to(self.gram.device)
+        for s in range(0, y.shape[1], b):
+            yc = centered(y, my, s)
+            self.ssq_y[s : s + b] += ((yc * yc if w is None else w * yc * yc).sum(0)).to(self.gram.device)
 
     def merge(self, other: KVStats) -> KVStats:
         """A new statistics object equal to one pass over both data sets."""
-        merged = KVStats(self.mean_x.numel(), self.mean_y.numel(), self.gram.device)
+        merged = KVStats(self.mean_x.numel(), self.mean_y.numel(), self.gram.device, self.block)
         merged._absorb(self.n, self.mean_x, self.mean_y, self.gram, self.cross, self.ssq_y)
-        merged._absorb(other.n, other.mean_x.to(merged.gram.device), other.mean_y.to(merged.gram.device),
-                       other.gram.to(merged.gram.device), other.cross.to(merged.gram.device),
-                       other.ssq_y.to(merged.gram.device))
+        merged._absorb(other.n, other.mean_x, other.mean_y, other.gram, other.cross, other.ssq_y)
         return merged
+
+    def all_reduce(self, group=None) -> None:
+        """Turn every process's statistics into those of all processes' observations together (in place).
+
+        torch.distributed must be initialised. Exact to float64 rounding: with the global mean μ, each
+        process's totals re-centered on μ (its own plus n·(m − μ)(m − μ)ᵀ) sum to the pooled totals.
+        """
+        import torch.distributed as dist
+
+        comm = _comm_device(group)
+        counts = torch.tensor([float(self.n)], dtype=torch.float64, device=comm)
+        sums = torch.cat([self.mean_x, self.mean_y]).to(comm) * float(self.n)
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(sums, group=group)
+        total = float(counts)
+        if total == 0:
+            return
+        mu = sums / total
+        fx = self.mean_x.numel()
+        dx, dy = self.mean_x - mu[:fx].to(self.gram.device), self.mean_y - mu[fx:].to(self.gram.device)
+        self.gram.addr_(dx, dx, alpha=float(self.n))
+        self.cross.addr_(dx, dy, alpha=float(self.n))
+        self.ssq_y.add_(dy * dy, alpha=float(self.n))
+        for t in (self.gram, self.cross, self.ssq_y):  # one block at a time through the communication device
+            flat = t.view(-1)
+            step = self.block * self.block
+            for s in range(0, flat.numel(), step):
+                part = flat[s : s + step].to(comm)
+                dist.all_reduce(part, group=group)
+                flat[s : s + step] = part.to(flat.device)
+        self.mean_x.copy_(mu[:fx])
+        self.mean_y.copy_(mu[fx:])
+        self.n = int(total) if total == int(total) else total
 
 
 @dataclass
@@ -143,36 +217,106 @@ def paired_features(source: LoadedModel, target: LoadedModel, ids: torch.Tensor,
     return out
 
 
+FLUSH_OBSERVATIONS = 8192  # observations gathered on the models' device before one blocked update
+
+
+class ObservationBuffer:
+    """Observations gathered where the models run (their dtype) and added to ``stats`` ``rows`` at a time:
+    each update adds every block of the totals once, so fewer, larger updates move less to host memory."""
+
+    def __init__(self, stats: KVStats, rows: int = FLUSH_OBSERVATIONS):
+        self.stats, self.rows, self.held = stats, rows, 0
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.x is None:
+            self.x = x.new_empty(self.rows, x.shape[1])
+            self.y = y.new_empty(self.rows, y.shape[1])
+        start = 0
+        while start < x.shape[0]:
+            take = min(self.rows - self.held, x.shape[0] - start)
+            self.x[self.held : self.held + take] = x[start : start + take]
+            self.y[self.held : self.held + take] = y[start : start + take]
+            self.held += take
+            start += take
+            if self.held == self.rows:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.held:
+            self.stats.update(self.x[: self.held], self.y[: self.held])
+            self.held = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.x = self.y = None
+
+
+def shard(sequences: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This process's share of the calibration sequences: every ``world``-th one from ``rank``."""
+    return sequences[rank::world]
+
+
 def collect_statistics(
     source: LoadedModel,
     target: LoadedModel,
     sequences: torch.Tensor,
     stride: int,
     batch_size: int = 4,
-    device: str | torch.device | None = None,
     progress: bool = True,
+    buffer_rows: int = FLUSH_OBSERVATIONS,
+    block: int = BLOCK,
 ) -> CalibrationStats:
-    """One pass over ``sequences`` (N, T): capture both caches, accumulate K and V statistics."""
+    """One pass over ``sequences`` (N, T): capture both caches, accumulate K and V statistics.
+
+    The totals (float64) live in host memory; observations are gathered on the models' device in their
+    dtype, ``buffer_rows`` at a time, and added block by block (``block`` features a side). Under
+    torch.distributed each process reads its :func:`shard` of the sequences and the totals are
+    all-reduced: every process ends with the statistics of all of them.
+    """
     import time
 
+    import torch.distributed as dist
     from tqdm.auto import tqdm
 
-    device = device or target.device
     fx = source.info.num_layers * source.info.kv_features
     fy = target.info.num_layers * target.info.kv_features
-    stats = CalibrationStats(key=KVStats(fx, fy, device), value=KVStats(fx, fy, device))
+    stats = CalibrationStats(key=KVStats(fx, fy, "cpu", block), value=KVStats(fx, fy, "cpu", block))
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        sequences = shard(sequences, dist.get_rank(), dist.get_world_size())
     positions = observation_tokens(sequences.shape[1], stride)
+    rows = max(1, min(buffer_rows, sequences.shape[0] * len(positions)))  # never more than the pass observes
+    buffers = {kind: ObservationBuffer(getattr(stats, kind), rows) for kind in ("key", "value")}
     start = time.perf_counter()
     with tqdm(total=sequences.shape[0], desc="calibration", unit="seq", disable=not progress) as bar:
         for batch in iter_batches(sequences, batch_size):
             feats = paired_features(source, target, batch, positions)
-            stats.key.update(*feats["key"])
-            stats.value.update(*feats["value"])
+            for kind, buffer in buffers.items():
+                buffer.add(*feats[kind])
+            del feats
             stats.sequences += batch.shape[0]
             stats.tokens += batch.numel()
             bar.update(batch.shape[0])
+    for buffer in buffers.values():
+        buffer.close()
+    if distributed:
+        for kind in ("key", "value"):
+            getattr(stats, kind).all_reduce()
+        counts = torch.tensor([stats.sequences, stats.tokens], dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(counts)
+        stats.sequences, stats.tokens = (int(v) for v in counts.cpu())
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _comm_device(group=None) -> torch.device:
+    """Where collectives run: NCCL needs CUDA tensors, gloo takes host ones."""
+    import torch.distributed as dist
+
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 # -- the closed-form solve on these statistics (fit and levers) -----------------------------------
@@ -180,32 +324,64 @@ _MAX_RIDGE_RAISES = 12
 _MIN_RCOND = 1e-12  # below this a float64 solve loses all significant digits
 
 
-def ridge_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
-    """Solve (A + λ I) W = rhs with λ = ridge · mean(diag A), raising λ if A + λI is not PD."""
+@dataclass
+class RidgeFactor:
+    """Cholesky factor L of A + λI (lower), λ absolute and relative to mean(diag A)."""
+
+    factor: torch.Tensor
+    lam: float
+    relative: float
+
+    def solve(self, rhs: torch.Tensor) -> torch.Tensor:
+        """W = (A + λI)⁻¹ rhs, on the factor's device."""
+        w = torch.cholesky_solve(rhs.to(self.factor.device, torch.float64), self.factor)
+        if not torch.isfinite(w).all():
+            raise FitError("the ridge solve produced NaN or Inf weights; pass a larger --ridge.")
+        return w
+
+    def r2(self, w: torch.Tensor, rhs: torch.Tensor, sst) -> float:
+        """In-sample R² of ŷ = (x − x̄)W for the columns of ``rhs`` (= C of those columns, W solved from it).
+
+        SSE = SST − 2 wᵀc + wᵀGw, and (G + λI)W = C gives wᵀGw = wᵀc − λ‖w‖²: no Gram needed.
+        """
+        sst = float(sst)
+        sse = sst - float((w * rhs.to(w.device, w.dtype)).sum()) - self.lam * float((w * w).sum())
+        return 1.0 - sse / sst if sst > 0 else float("nan")
+
+
+def ridge_factor(a: torch.Tensor, ridge: float, device: str | torch.device | None = None) -> RidgeFactor:
+    """Factor A + λI with λ = ridge · mean(diag A) on ``device`` (default: A's), raising λ while the
+    factorisation fails or is numerically singular. A is not changed; the device holds one copy of A and
+    the factor, nothing else of its size."""
+    device = a.device if device is None else torch.device(device)
     scale = float(torch.diagonal(a).mean())
-    if not torch.isfinite(a).all() or not torch.isfinite(rhs).all():
+    if not torch.isfinite(a).all():
         raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
                        "(try --dtype float32).")
     if scale <= 0:
         raise FitError("the selected source features have zero variance on the calibration data; "
                        "use more varied texts.")
-    lam = ridge * scale
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+    work = a.to(device, torch.float64, copy=True)
+    lam, added = ridge * scale, 0.0
     for _ in range(_MAX_RIDGE_RAISES):
-        factor, info = torch.linalg.cholesky_ex(a + lam * eye)
+        torch.diagonal(work).add_(lam - added)
+        added = lam
+        factor, info = torch.linalg.cholesky_ex(work)
         if int(info) == 0:
             # A factorisation can "succeed" on a numerically singular matrix and return huge weights;
             # the squared pivot ratio estimates the reciprocal condition number cheaply.
             pivots = torch.diagonal(factor)
             if float((pivots.min() / pivots.max()) ** 2) > _MIN_RCOND:
-                w = torch.cholesky_solve(rhs, factor)
-                if torch.isfinite(w).all():
-                    return w, lam / scale
+                return RidgeFactor(factor, lam, lam / scale)
+        del factor
         lam = max(lam * 10.0, 1e-10 * scale)
     raise FitError(f"the Gram matrix stays singular even with ridge {lam / scale:.1e}; pass a larger --ridge.")
 
 
-def pooled_r2(w: torch.Tensor, c: torch.Tensor, gw: torch.Tensor, sst: torch.Tensor) -> float:
-    """In-sample R² of ŷ = (x − x̄)W for one target layer from statistics: w, c, gw = G·w (F, Ft)."""
-    sse = sst - 2 * (w * c).sum() + (w * gw).sum()
-    return float(1.0 - sse / sst) if sst > 0 else float("nan")
+def ridge_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
+    """Solve (A + λI) W = rhs with λ = ridge · mean(diag A); returns (W, the relative ridge used)."""
+    if not torch.isfinite(rhs).all():
+        raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
+                       "(try --dtype float32).")
+    f = ridge_factor(a, ridge)
+    return f.solve(rhs), f.relative
