@@ -49,6 +49,22 @@ def test_generate_compare_prints_both(fitted, capsys):
     assert "agreement:" in shown
 
 
+def test_placement_options_name_each_part_s_device(fitted, capsys):
+    """Source, mapper and target placed by name (here all CPU devices): the same answer as the default."""
+    source, target, out = fitted
+    common = ["generate", "--source", source, "--target", target, "--mapper", str(out), "--prompt",
+              "Return a new dictionary", "--max-new-tokens", "4"]
+    import re
+
+    def answer():  # everything but the timing
+        return re.sub(r"[0-9.]+ ms for the batch", "", capsys.readouterr().out)
+
+    assert main(common) == 0
+    default = answer()
+    assert main([*common, "--device", "cpu", "--target-device", "cpu:0", "--mapper-device", "cpu"]) == 0
+    assert answer() == default and "--- mapped" in default
+
+
 def test_errors_are_messages_not_tracebacks(fitted, tiny_pair, tmp_path, capsys):
     source, target, out = fitted
     assert main(["fit", "--source", source, "--target", target, "--texts", str(tmp_path / "none.txt"),
