@@ -61,7 +61,7 @@ def test_published_geometry_fits_in_12_gib_beyond_the_models(tmp_path, capsys):
     levered = json.loads(out.read_text())
     assert levered["fit_peak_bytes"] <= 12 * 2**30
     assert levered["mapper_parameters"] == published_config(*pair, levers=True).num_parameters()
-    assert [p["name"] for p in levered["fit_phases"]] == ["capture", "solve", "levers", "mapper"]
+    assert [p["name"] for p in levered["fit_phases"]] == ["capture", "solve", "lever solve", "lever MLP", "mapper"]
     # memory is set by the geometry: a corpus ten times larger plans the same peak
     big = plan(model_shape(read_config("ministral3-3b-text")), model_shape(read_config("ministral3-8b-text")),
                FitConfig(num_texts=5000, stride=4, **PLAIN))
@@ -85,7 +85,18 @@ def test_plan_reads_folders_and_config_files_and_refuses_bad_ones(wide_pair, tmp
         read_config(str(tmp_path / "empty.json"))
     with pytest.raises(KVBridgeError, match="shipped configs"):
         read_config(str(tmp_path / "missing" / "x"))
-    assert main(["plan", "--source", str(folder), "--target", str(folder), "--contexts", "12,x"]) == 1
-    assert "--contexts" in capsys.readouterr().err
-    assert main(["plan", "--source", str(folder), "--target", str(folder), "--device", "cpu", "--contexts", "64"]) == 0
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2"}))  # no intermediate_size: not planned
+    (tmp_path / "zero.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "num_attention_heads": 0}))
+    (tmp_path / "odd.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    for bad, message in (("gpt2.json", "intermediate_size"), ("zero.json", "heads"), ("odd.json", "cannot build")):
+        assert main(["plan", "--source", str(tmp_path / bad), "--target", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and len(err) < 600, err
+    for args, message in ((["--contexts", "12,x"], "--contexts"), (["--top-k", "99"], "--top-k"),
+                          (["--lever-layers", "9"], "--lever-layers"), (["--contexts", "100000000"], "positions"),
+                          (["--processes", "0"], "--processes")):
+        assert main(["plan", "--source", str(folder), "--target", str(folder), "--seq-len", "64", *args]) == 1
+        assert message in capsys.readouterr().err
+    assert main(["plan", "--source", str(folder), "--target", str(folder), "--device", "cpu", "--seq-len", "64"]) == 0
     assert "float32 on cpu" in capsys.readouterr().out

@@ -161,7 +161,7 @@ def fit_lines(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len: 
     """The plain published fit (every source layer for every target layer, ridge 0.01) on random models and
     random token ids: its time and measured peak beside the plan's. The models are not counted in either."""
     from .fit import FitConfig, solve
-    from .plan import measured_peak, model_shape, plan
+    from .plan import Phase, device_peak, measured_peak, model_shape, plan
     from .stats import collect_statistics
 
     source = build("ministral3-3b-text", device, dtype, tiny)
@@ -180,9 +180,8 @@ def fit_lines(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len: 
     (capture_s, solve_s, report), measured = measured_peak(fit, device)
     name = str(dtype).replace("torch.", "")
     planned = plan(model_shape(source.model.config), model_shape(target.model.config), config, device, name)
-    phases = {p["name"]: p for p in planned["fit_phases"]}
     cpu = torch.device(device).type == "cpu"
-    predicted = max(p["device"] + (p["host"] if cpu else 0) for n, p in phases.items() if n in ("capture", "solve"))
+    predicted = device_peak([Phase(**p) for p in planned["fit_phases"]], device, ("capture", "solve"))
     return [
         f"fit at the {'tiny' if tiny else 'Ministral-3 3B→8B'} geometry on {device} ({name}, random weights and "
         f"ids): {texts} × {seq_len} tokens, stride {stride}, every source layer for every target layer",

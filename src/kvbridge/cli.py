@@ -168,8 +168,11 @@ def _parser() -> argparse.ArgumentParser:
                                                    "then one memory and add up)")
     g.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, "
                                                   "bfloat16, float16")
-    pl.add_argument("--contexts", default="1024,8192,32768", help="runtime context lengths (default: 1024,8192,32768)")
+    pl.add_argument("--contexts", help="runtime context lengths (default: 1024,8192,32768, those the models support)")
     pl.add_argument("--batch", type=int, default=1, help="runtime batch size (default: 1)")
+    pl.add_argument("--processes", type=int, default=1,
+                    help="fit processes on one machine (torchrun --nproc-per-node): each holds its own statistics "
+                         "in host memory (default: 1)")
     pl.add_argument("--json", help="also write the plan (bytes; fit_peak_bytes = the fit's peak beyond the model "
                                    "weights) to this file")
     _add_fit_options(pl)
@@ -358,7 +361,7 @@ def _fit_and_write(args, config, texts, out, device) -> int:
         _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {device})")
     source = load_model(args.source, args.source_revision, device, dtype)
     target = load_model(args.target, args.target_revision, args.target_device or device, dtype)
-    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet)
+    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet, distributed=distributed.launched())
     if not main_process:
         return 0
     mapper.save_pretrained(out)
@@ -389,10 +392,10 @@ def _cmd_plan(args) -> int:
     import torch
 
     from .models import resolve_dtype
-    from .plan import model_shape, parse_contexts, plan, plan_table, read_config
+    from .plan import model_shape, plan, plan_table, read_config
 
     config = _fit_config(args)
-    contexts = parse_contexts(args.contexts)
+    contexts = tuple(_contexts(args.contexts, minimum=1)) if args.contexts is not None else None
     if args.batch < 1:
         raise KVBridgeError("--batch must be at least 1.")
     if args.json:
@@ -406,7 +409,7 @@ def _cmd_plan(args) -> int:
                 resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
     source = model_shape(read_config(args.source, args.source_revision), args.source)
     target = model_shape(read_config(args.target, args.target_revision), args.target)
-    result = plan(source, target, config, args.device, dtype, contexts, args.batch)
+    result = plan(source, target, config, args.device, dtype, contexts, args.batch, args.processes)
     print(plan_table(result))
     if args.json:
         write_text(args.json, json.dumps(result, indent=2) + "\n")
@@ -490,12 +493,9 @@ def _cmd_bench(args) -> int:
 
     from .bench import bench_table, device_name, plot_bench, run_bench
 
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    except ValueError:
-        raise KVBridgeError(f"--contexts must be comma-separated integers, not {args.contexts!r}.") from None
-    if not contexts or min(contexts) < 2 or args.trials < 1 or args.warmup < 0 or args.batch < 1:
-        raise KVBridgeError("--contexts must be >= 2 tokens each, --trials >= 1, --warmup >= 0, --batch >= 1.")
+    contexts = _contexts(args.contexts, minimum=2)  # one token is the held-back one: nothing to map
+    if args.trials < 1 or args.warmup < 0 or args.batch < 1:
+        raise KVBridgeError("--trials must be >= 1, --warmup >= 0, --batch >= 1.")
     for flag in ("json", "plot"):
         if getattr(args, flag):
             check_output_file(getattr(args, flag), f"--{flag}")
@@ -749,6 +749,17 @@ def _require(module: str, extra: str, what: str) -> None:
 
     if importlib.util.find_spec(module) is None:
         raise KVBridgeError(f"{what} needs {module}, which is not installed: pip install \"kvbridge[{extra}]\"")
+
+
+def _contexts(text: str, minimum: int) -> list[int]:
+    """--contexts: comma-separated token counts, each at least ``minimum``."""
+    try:
+        contexts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < minimum:
+        raise KVBridgeError(f"--contexts must be comma-separated integers >= {minimum}, e.g. 1024,8192, not {text!r}.")
+    return contexts
 
 
 def _count(value) -> str:

@@ -253,7 +253,7 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
             mean_x = s.mean_x if every else s.mean_x.index_select(0, idx)
             for l in targets:
                 cols = _layer_slice(l, ft)
-                c = s.cross[:, cols] if every else s.cross[:, cols].index_select(0, idx)
+                c = (s.cross[:, cols] if every else s.cross[:, cols].index_select(0, idx)).to(factor.factor.device)
                 w = factor.solve(c)  # (S·Fs, Ft) float64 on the solve device
                 r2[l] = factor.r2(w, c, s.ssq_y[cols].sum())
                 used_ridge[l] = factor.relative
@@ -322,13 +322,29 @@ def _peak_memory_bytes(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def check_geometry(config: FitConfig, source_layers: int, target_layers: int, max_positions=()) -> None:
+    """Settings that name layers or lengths the models do not have, refused before any work (fit and plan).
+    ``max_positions``: each model's limit, 0 or None when it has none."""
+    if config.top_k is not None and config.top_k > source_layers:
+        raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
+                         "(or leave it out for all of them).")
+    limit = min([p for p in max_positions if p] + [1 << 62])
+    if config.seq_len > limit:
+        raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
+                         f"most {limit}.")
+    if config.has_levers and config.lever_layers and max(config.lever_layers) >= target_layers:
+        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target_layers} layers "
+                         f"(0 to {target_layers - 1}).")
+
+
 def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], config: FitConfig,
-               progress: bool = True) -> Mapper | None:
+               progress: bool = True, distributed: bool = False) -> Mapper | None:
     """Fit a mapper from ``source`` to ``target`` on ``texts``.
 
-    Under torch.distributed (see :mod:`kvbridge.distributed`) every process calls it: each reads its share
-    of the calibration sequences, the statistics are all-reduced, rank 0 solves and returns the mapper and
-    the other processes return None.
+    ``distributed``: every process of an initialised torch.distributed group calls it (see
+    :mod:`kvbridge.distributed`); each reads its share of the calibration sequences, the statistics are
+    all-reduced, rank 0 solves and returns the mapper and the other processes return None. Without it the
+    fit is one process's, whatever process group the caller runs in.
 
     The last documents, enough for ``heldout_texts`` sequences, are held out whole for the held-out
     R²; the fit reads the first ``num_texts`` sequences of the others. ``calibration_sha256`` in
@@ -346,16 +362,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
         raise InputError("texts must be a list of strings (read a file with kvbridge.texts.read_texts).")
     check_same_tokenizer(source.info, target.info)
-    if config.top_k is not None and config.top_k > source.info.num_layers:
-        raise InputError(f"--top-k {config.top_k}: the source has {source.info.num_layers} layers; pass at most that "
-                         "(or leave it out for all of them).")
-    limit = min(p for p in (source.info.max_positions, target.info.max_positions, 1 << 62) if p)
-    if config.seq_len > limit:
-        raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
-                         f"most {limit}.")
-    if config.has_levers and config.lever_layers and max(config.lever_layers) >= target.info.num_layers:
-        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target.info.num_layers} layers "
-                         f"(0 to {target.info.num_layers - 1}).")
+    check_geometry(config, source.info.num_layers, target.info.num_layers,
+                   (source.info.max_positions, target.info.max_positions))
     device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -366,8 +374,10 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     start = time.perf_counter()
     from .distributed import is_main
 
-    stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size, progress and is_main())
-    if not is_main():  # under torch.distributed: this process's share is in rank 0's statistics now
+    main_process = not distributed or is_main()
+    stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size,
+                               progress and main_process, distributed=distributed)
+    if not main_process:  # this process's share is in rank 0's statistics now
         return None
     solve_start = time.perf_counter()
     weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge, device)

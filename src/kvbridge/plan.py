@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,7 @@ SHIPPED = {  # names and hub ids whose text config ships with kvbridge (no netwo
     "ministral3-8b-text": "ministral3-8b-text", "mistralai/Ministral-3-8B-Reasoning-2512": "ministral3-8b-text",
 }
 F64, F32 = 8, 4
+DEFAULT_CONTEXTS = (1024, 8192, 32768)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     parameters: int
+    max_positions: int = 0
 
     @property
     def kv_features(self) -> int:
@@ -96,8 +97,8 @@ def read_config(spec: str, revision: str | None = None):
                                  f"{', '.join(SHIPPED)}.") from None
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from None
+    except Exception as exc:  # a missing file, bad JSON, an unknown model_type, a field of the wrong type, …
+        raise ModelLoadError(f"cannot read the model config in {path}: {_first_line(exc)}") from None
     return config.get_text_config(decoder=True)
 
 
@@ -109,8 +110,8 @@ def _config_from_dict(data: dict, where: str):
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "architectures")}
     try:
         config = AutoConfig.for_model(data["model_type"], **kwargs)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{where}: transformers cannot build a config from it ({exc}).") from None
+    except Exception as exc:  # an unknown model_type, a field of the wrong type, …
+        raise InputError(f"{where}: transformers cannot build a config from it ({_first_line(exc)}).") from None
     return config.get_text_config(decoder=True)
 
 
@@ -118,19 +119,34 @@ def model_shape(config, name: str = "") -> ModelShape:
     """Geometry and exact parameter count (the causal LM built on the meta device) of a decoder config."""
     from transformers import AutoModelForCausalLM
 
+    what = name or "the model"
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size",
+                           "vocab_size") if not isinstance(getattr(config, k, None), int)]
+    if missing:
+        raise InputError(f"{what}: its config has no integer {', '.join(missing)}; kvbridge plans decoder-only "
+                         "transformers with a KV cache (Llama, Mistral, Ministral-3, Qwen, …).")
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1))
+    if min(config.num_hidden_layers, heads, kv_heads, head_dim) < 1:
+        raise InputError(f"{what}: its config has no layers, attention heads or head dimension.")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{name or 'the model'}: transformers cannot build a causal LM from its config ({exc}).") \
+    except Exception as exc:  # transformers raises many kinds for a config it cannot build
+        raise InputError(f"{what}: transformers cannot build a causal LM from its config ({_first_line(exc)}).") \
             from None
-    heads = int(config.num_attention_heads)
     return ModelShape(
-        name=name, layers=int(config.num_hidden_layers), kv_heads=int(getattr(config, "num_key_value_heads", heads)),
-        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads), heads=heads,
+        name=name, layers=int(config.num_hidden_layers), kv_heads=kv_heads, head_dim=head_dim, heads=heads,
         hidden=int(config.hidden_size), intermediate=int(config.intermediate_size), vocab=int(config.vocab_size),
         parameters=sum(p.numel() for p in model.parameters()),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
     )
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass
@@ -147,10 +163,16 @@ def _square(n: int) -> int:
     return n * n
 
 
+def selected_features(config, source: ModelShape) -> int:
+    """S: the source features each plain target layer reads (all layers, or --top-k of them)."""
+    layers = source.layers if config.top_k is None else min(config.top_k, source.layers)
+    return layers * source.kv_features
+
+
 def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) -> list[Phase]:
     """The fit's phases for :class:`kvbridge.fit.FitConfig` ``config``, models in ``itemsize``-byte floats.
 
-    Device figures exclude the model weights (see :func:`plan`).
+    Device figures exclude the model weights (see :func:`plan`); host figures are one process's.
     """
     from .stats import BLOCK, FLUSH_OBSERVATIONS
 
@@ -159,29 +181,28 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) ->
     stats = 2 * F64 * (_square(fx) + fx * fy + fx + 2 * fy)
     observed = math.ceil(config.seq_len / config.stride)
     batch_tokens = config.batch_size * config.seq_len
-    total_obs = config.num_texts * observed
-    rows = min(FLUSH_OBSERVATIONS, max(total_obs, 1))
+    rows = min(FLUSH_OBSERVATIONS, max(config.num_texts * observed, 1))
     b_left, b_right = min(BLOCK, fx), min(BLOCK, max(fx, fy))
     update = F64 * (rows * b_left + rows * b_right + b_left * b_right)
-    buffers = 2 * rows * (fx + fy) * itemsize
+    buffers = rows * (fx + fy) * (F32 + itemsize)  # content keys are float32 (RoPE removed), values the model's
     caches = source.cache(batch_tokens, itemsize) + target.cache(batch_tokens, itemsize)
-    content = batch_tokens * (fx + fy) * F32  # content keys are float32 after RoPE removal
-    features = 2 * batch_tokens * (fx + fy) * itemsize + 2 * config.batch_size * observed * (fx + fy) * itemsize
+    content = batch_tokens * (fx + fy) * F32
+    features = (batch_tokens + config.batch_size * observed) * (fx + fy) * (F32 + itemsize)
     forward = max(source.activations(batch_tokens, itemsize), target.activations(batch_tokens, itemsize))
     batch = caches + content + features
     capture = Phase("capture", stats, buffers + max(batch + forward, batch // 2 + update),
                     {"statistics (host)": stats, "observation buffers": buffers, "one batch": batch + forward,
                      "one blocked update": update})
 
-    sel = fx if config.top_k is None or config.top_k >= source.layers else config.top_k * fs
+    sel = selected_features(config, source)
     subset = sel != fx
     layer_solve = sel * ft * (F64 + F64 + F32) + ft * F64  # C (on the device), W, W in float32, bias
-    weights_key = target.layers * (fx if not subset else sel) * ft * F32
+    weights = 2 * target.layers * sel * ft * F32  # both kinds' float32 weights, all solved by the end
     solve_device = 2 * F64 * _square(sel) + layer_solve
-    solve_host = stats + weights_key + (F64 * (_square(sel) + sel * ft) if subset else 0)
+    solve_host = stats + weights + (F64 * (_square(sel) + sel * ft) if subset else 0)
     solve = Phase("solve", solve_host, solve_device,
                   {"G_SS copy and factor (device)": 2 * F64 * _square(sel), "one layer's C and W": layer_solve,
-                   "statistics (host)": stats, "key weights (host)": weights_key})
+                   "statistics (host)": stats, "weights (host)": weights})
     phases = [capture, solve]
 
     levers = _levers(config, source, target)
@@ -189,14 +210,17 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) ->
         widths = [w for w, _ in levers]
         lever_stats = sum(F64 * (_square(w) + w * ft) for w in widths)
         lever_obs = config.num_texts * math.ceil(config.seq_len / config.lever_stride)
-        sample = max((min(config.mlp_observations, lever_obs) * (w + ft) * F32 * 2 for w, h in levers if h), default=0)
-        plain_weights = 2 * target.layers * (fx if not subset else sel) * ft * F32
+        sample = max((min(config.mlp_observations, lever_obs) * (w + ft) * F32 for w, h in levers if h), default=0)
         device = max(2 * F64 * _square(w) + w * ft * 3 * F64 for w in widths)
-        mlp = max((config.mlp_batch * (w + 2 * h + 2 * ft) * F32 * 4 for w, h in levers if h), default=0)
-        phases.append(Phase("levers", lever_stats + sample + plain_weights, max(device, mlp + batch + forward),
+        phases.append(Phase("lever solve", lever_stats + sample + weights, max(device, batch + forward),
                             {"lever statistics (host)": lever_stats, "MLP sample (host)": sample,
                              "lever G and factor (device)": device}))
-    params = _mapper_parameters(source, target, config, sel, levers)
+        if sample:  # the residual MLP trains in host memory: the sample concatenated, then standardised
+            step = max(config.mlp_batch * (w + 2 * h + 2 * ft) * F32 * 4 for w, h in levers if h)
+            phases.append(Phase("lever MLP", lever_stats + 3 * sample + weights + step, 0,
+                                {"lever statistics (host)": lever_stats, "sample, concatenated, standardised "
+                                 "(host)": 3 * sample, "one training step (host)": step}))
+    params = mapper_parameters(source, target, config)
     phases.append(Phase("mapper", 2 * params * F32, 0, {"float32 weights, concatenated once": 2 * params * F32}))
     return phases
 
@@ -214,41 +238,58 @@ def _levers(config, source: ModelShape, target: ModelShape) -> list[tuple[int, i
     return [(len(config.lags) * per_lag, config.mlp_hidden)] * (count * len(config.lever_kinds))
 
 
-def _mapper_parameters(source, target, config, sel, levers) -> int:
-    ft = target.kv_features
+def mapper_parameters(source: ModelShape, target: ModelShape, config) -> int:
+    """Parameters of the mapper a fit with ``config`` writes."""
+    ft, sel = target.kv_features, selected_features(config, source)
     plain = 2 * target.layers * (sel * ft + ft)
-    extra = sum((w - sel) * ft + (w * h + h + h * ft + ft if h else 0) for w, h in levers)
+    extra = sum((w - sel) * ft + (w * h + h + h * ft + ft if h else 0) for w, h in _levers(config, source, target))
     return plain + extra
 
 
-def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", dtype: str = "bfloat16",
-         contexts: tuple[int, ...] = (1024, 8192), batch: int = 1, chunk_tokens: int = 1024) -> dict:
-    """The whole plan as a JSON-ready dict: ``fit_peak_bytes`` is the fit's working memory on ``device``
-    (beyond the model weights; on CPU host memory included)."""
-    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+def device_peak(phases: list[Phase], device: str, names: tuple[str, ...] | None = None) -> int:
+    """The largest phase on the fit's device (of ``names`` only, if given); on CPU host and device add up."""
     cpu = torch.device(device).type == "cpu"
+    return max(p.device + (p.host if cpu else 0) for p in phases if names is None or p.name in names)
+
+
+def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", dtype: str = "bfloat16",
+         contexts: tuple[int, ...] | None = None, batch: int = 1, processes: int = 1) -> dict:
+    """The whole plan as a JSON-ready dict: ``fit_peak_bytes`` is the fit's working memory on ``device``
+    (beyond the model weights; on CPU host memory included); ``processes`` fit processes on one machine
+    each hold their own statistics in host memory."""
+    from .fit import check_geometry
+
+    check_geometry(config, source.layers, target.layers, (source.max_positions, target.max_positions))
+    limit = min([p for p in (source.max_positions, target.max_positions) if p] + [1 << 62])
+    if contexts is None:  # the defaults these models support, or their longest context
+        contexts = tuple(n for n in DEFAULT_CONTEXTS if n <= limit) or (limit,)
+    if max(contexts) > limit:
+        raise InputError(f"--contexts {max(contexts):,} exceeds the {limit:,} positions these models support.")
+    if processes < 1:
+        raise InputError("--processes must be at least 1.")
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     phases = fit_phases(source, target, config, itemsize)
     weights = (source.parameters + target.parameters) * itemsize
-    on_device = [p.device + (p.host if cpu else 0) for p in phases]
-    peak = max(on_device)
-    runtime = [runtime_row(source, target, config, n, batch, itemsize, chunk_tokens) for n in contexts]
-    levers = _levers(config, source, target)
-    sel = source.layers * source.kv_features if config.top_k is None else min(config.top_k, source.layers) * \
-        source.kv_features
-    params = _mapper_parameters(source, target, config, sel, levers)
+    peak = device_peak(phases, device)
+    peak_phase = next(p.name for p in phases if device_peak([p], device) == peak)
+    host = max(p.host for p in phases)
+    params = mapper_parameters(source, target, config)
     return {
         "source": asdict(source), "target": asdict(target), "device": device, "dtype": dtype,
         "fit_settings": asdict(config),
         "fit_peak_bytes": peak,
-        "fit_peak_phase": phases[on_device.index(peak)].name,
-        "fit_host_peak_bytes": max(p.host for p in phases) if not cpu else peak + weights,
+        "fit_peak_phase": peak_phase,
         "fit_models_bytes": weights,
         "fit_device_total_bytes": peak + weights,
+        "fit_host_peak_bytes_per_process": host,
+        "fit_processes": processes,
+        # the other processes hold their statistics only until they are all-reduced; rank 0 goes on alone
+        "fit_host_peak_bytes_all_processes": max(processes * phases[0].host, max(p.host for p in phases[1:])),
         "fit_phases": [asdict(p) for p in phases],
         "fit_statistics_gflop": _statistics_flops(source, target, config) / 1e9,
         "mapper_parameters": params,
         "mapper_bytes": params * itemsize,
-        "runtime": runtime,
+        "runtime": [runtime_row(source, target, config, n, batch, itemsize) for n in contexts],
     }
 
 
@@ -258,20 +299,21 @@ def _statistics_flops(source: ModelShape, target: ModelShape, config) -> float:
     return 2.0 * 2 * n * fx * (fx + fy)
 
 
-def runtime_row(source: ModelShape, target: ModelShape, config, tokens: int, batch: int, itemsize: int,
-                chunk_tokens: int) -> dict:
+def runtime_row(source: ModelShape, target: ModelShape, config, tokens: int, batch: int, itemsize: int) -> dict:
     """Bytes of one mapped prefill of ``batch`` × ``tokens`` on one device: weights, both caches, the map's
-    transient (one chunk's features and outputs) and the larger forward's activations."""
-    levers = _levers(config, source, target)
-    sel = source.layers * source.kv_features if config.top_k is None else min(config.top_k, source.layers) * \
-        source.kv_features
-    params = _mapper_parameters(source, target, config, sel, levers)
-    chunk = batch * min(tokens, chunk_tokens)
-    widest = max([sel] + [w for w, _ in levers])
-    mapping = chunk * (widest + target.layers * target.kv_features * 2) * itemsize
+    transient (one chunk: the source's content keys and the target's keys in float32, the features in the
+    mapper's dtype) and the larger forward's activations."""
+    import inspect
+
+    from .transfer import Bridge
+
+    chunk = batch * min(tokens, inspect.signature(Bridge).parameters["chunk_tokens"].default)  # Bridge's default
+    widest = max([selected_features(config, source)] + [w for w, _ in _levers(config, source, target)])
+    fx, fy = source.layers * source.kv_features, target.layers * target.kv_features
+    mapping = chunk * ((fx + fy) * F32 + (widest + fy) * itemsize)
     parts = {
         "models": (source.parameters + target.parameters) * itemsize,
-        "mapper": params * itemsize,
+        "mapper": mapper_parameters(source, target, config) * itemsize,
         "source cache": source.cache(batch * tokens, itemsize),
         "target cache": target.cache(batch * tokens, itemsize),
         "map transient": mapping,
@@ -294,7 +336,9 @@ def plan_table(result: dict) -> str:
         lines.append(f"| {p['name']} | {gib(p['host'])} | {gib(p['device'])} |")
     lines += ["", f"fit peak on {result['device']}: {gib(result['fit_peak_bytes'])} ({result['fit_peak_phase']}), "
                   f"plus the models' weights {gib(result['fit_models_bytes'])} = "
-                  f"{gib(result['fit_device_total_bytes'])}; host peak {gib(result['fit_host_peak_bytes'])}; "
+                  f"{gib(result['fit_device_total_bytes'])}; host peak {gib(result['fit_host_peak_bytes_per_process'])}"
+                  + (f" in rank 0, {gib(result['fit_host_peak_bytes_all_processes'])} for all "
+                     f"{result['fit_processes']} processes" if result['fit_processes'] > 1 else "") + "; "
                   f"statistics {result['fit_statistics_gflop']:,.0f} GFLOP",
               f"mapper: {result['mapper_parameters'] / 1e9:.3f} B parameters, {gib(result['mapper_bytes'])}", "",
               "| Context tokens | Models | Mapper | Source cache | Target cache | Map transient | Activations | "
@@ -305,12 +349,6 @@ def plan_table(result: dict) -> str:
                      f"{gib(p['source cache'])} | {gib(p['target cache'])} | {gib(p['map transient'])} | "
                      f"{gib(p['activations'])} | {gib(row['total_bytes'])} |")
     return "\n".join(lines)
-
-
-def parse_contexts(text: str) -> tuple[int, ...]:
-    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text or "") or any(int(v) < 1 for v in text.split(",")):
-        raise InputError(f"--contexts must be positive integers separated by commas, e.g. 1024,8192, not {text!r}.")
-    return tuple(int(v) for v in text.split(","))
 
 
 def measured_peak(fn, device: str | torch.device = "cpu"):

@@ -85,35 +85,42 @@ class KVStats:
     def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
         """Add observations x (N, Fx), y (N, Fy), optionally weighted (N,): then ``n`` sums the weights.
 
-        Means and products are computed in float64 on the observations' device, one block of features at a
-        time; only the block being added is ever in float64 there.
+        Means and products are computed in float64 on x's device (y and the weights join it there), one
+        block of features at a time: the device holds two (N, block) float64 operands and one block × block
+        product beside the observations. The Gram is symmetric: blocks above its diagonal are computed once
+        and added twice.
         """
-        b = self.block
-        w = None if weight is None else weight.to(x.device, torch.float64)[:, None]  # (N, 1)
+        b, dev = self.block, x.device
+        y = y.to(dev)
+        w = None if weight is None else weight.to(dev, torch.float64)[:, None]  # (N, 1)
         n = x.shape[0] if w is None else float(w.sum())
 
-        def mean(t):
-            return torch.cat([(t[:, s : s + b].double() * (1 if w is None else w)).sum(0)
-                              for s in range(0, t.shape[1], b)]) / n
+        def centered(t, m, s, weighted=False):  # (N, ≤b) float64 block of t − m (one new tensor)
+            block = t[:, s : s + b].to(torch.float64, copy=True).sub_(m[s : s + b])
+            return block.mul_(w) if weighted and w is not None else block
 
-        mx, my = mean(x), mean(y)
+        def block_sums(t):  # Σ over observations (weighted), (≤b,) per block
+            return torch.cat([(t[:, s : s + b].double() * w if w is not None else t[:, s : s + b].double()).sum(0)
+                              for s in range(0, t.shape[1], b)])
+
+        mx, my = block_sums(x) / n, block_sums(y) / n
         if not self._shift(n, mx, my):
             return
-
-        def centered(t, m, s):  # (N, ≤b) float64 block of t − m
-            return t[:, s : s + b].double() - m[s : s + b]
-
+        host = self.gram.device
         for r in range(0, x.shape[1], b):
-            left = centered(x, mx, r)
-            if w is not None:
-                left = left * w
-            for s in range(0, x.shape[1], b):
-                self.gram[r : r + b, s : s + b] += (left.T @ centered(x, mx, s)).to(self.gram.device)
+            left = centered(x, mx, r, weighted=True)
+            for s in range(r, x.shape[1], b):
+                right = left if s == r and w is None else centered(x, mx, s)
+                product = (left.T @ right).to(host)
+                self.gram[r : r + b, s : s + b] += product
+                if s != r:
+                    self.gram[s : s + b, r : r + b] += product.T
+                del right
             for s in range(0, y.shape[1], b):
-                self.cross[r : r + b, s : s + b] += (left.T @ centered(y, my, s)).to(self.gram.device)
+                self.cross[r : r + b, s : s + b] += (left.T @ centered(y, my, s)).to(host)
+            del left
         for s in range(0, y.shape[1], b):
-            yc = centered(y, my, s)
-            self.ssq_y[s : s + b] += ((yc * yc if w is None else w * yc * yc).sum(0)).to(self.gram.device)
+            self.ssq_y[s : s + b] += centered(y, my, s).square_().mul_(1 if w is None else w).sum(0).to(host)
 
     def merge(self, other: KVStats) -> KVStats:
         """A new statistics object equal to one pass over both data sets."""
@@ -267,13 +274,15 @@ def collect_statistics(
     progress: bool = True,
     buffer_rows: int = FLUSH_OBSERVATIONS,
     block: int = BLOCK,
+    distributed: bool = False,
 ) -> CalibrationStats:
     """One pass over ``sequences`` (N, T): capture both caches, accumulate K and V statistics.
 
     The totals (float64) live in host memory; observations are gathered on the models' device in their
     dtype, ``buffer_rows`` at a time, and added block by block (``block`` features a side). Under
     torch.distributed each process reads its :func:`shard` of the sequences and the totals are
-    all-reduced: every process ends with the statistics of all of them.
+    all-reduced: every process ends with the statistics of all of them (``distributed``: the caller has
+    joined the process group, see :mod:`kvbridge.distributed`).
     """
     import time
 
@@ -283,7 +292,9 @@ def collect_statistics(
     fx = source.info.num_layers * source.info.kv_features
     fy = target.info.num_layers * target.info.kv_features
     stats = CalibrationStats(key=KVStats(fx, fy, "cpu", block), value=KVStats(fx, fy, "cpu", block))
-    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and not (dist.is_available() and dist.is_initialized()):
+        raise InputError("distributed=True needs an initialised torch.distributed process group "
+                         "(kvbridge.distributed.start, or run under torchrun).")
     if distributed:
         sequences = shard(sequences, dist.get_rank(), dist.get_world_size())
     positions = observation_tokens(sequences.shape[1], stride)
@@ -355,7 +366,7 @@ def ridge_factor(a: torch.Tensor, ridge: float, device: str | torch.device | Non
     the factor, nothing else of its size."""
     device = a.device if device is None else torch.device(device)
     scale = float(torch.diagonal(a).mean())
-    if not torch.isfinite(a).all():
+    if not all(bool(torch.isfinite(a[i : i + BLOCK]).all()) for i in range(0, a.shape[0], BLOCK)):  # a mask per block
         raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
                        "(try --dtype float32).")
     if scale <= 0:
