@@ -12,12 +12,15 @@ source features one target layer reads, R observations gathered before one stati
 Fit phases (see :mod:`kvbridge.stats` and :func:`kvbridge.fit.fit_mapper`):
 
 * capture — host: K and V statistics in float64, 2·8·(Fx² + Fx·Fy + Fx + 2·Fy). Device: the observation
-  buffers 2·R·(Fx + Fy) in the model dtype, plus the larger of one batch's caches, features and
-  activations, or one blocked update (two R × block float64 operands and a block × block product).
+  buffers R·(Fx + Fy) for keys (float32: RoPE removed) and for values (model dtype), plus the larger of
+  one batch's caches, features and activations, or one blocked update (two R × block float64 operands
+  and a block × block product).
 * solve — device: one copy of G_SS and its Cholesky factor (2·S²·8) and one layer's C and W; host: the
-  statistics, the index copy of G_SS when a layer reads a subset, the float32 weights solved so far.
-* levers — host: each lever's statistics and the residual MLP's training sample (float32, twice while it
-  is concatenated); device: a lever's G and factor, the MLP's training step.
+  statistics, the index copy of G_SS when a layer reads a subset, both kinds' float32 weights.
+* lever solve — host: each lever's statistics and the residual MLP's sample (float32), the plain weights;
+  device: a lever's G and its factor.
+* lever MLP — host: the sample three times (collected, concatenated, standardised) and a training step:
+  the MLP trains in host memory.
 * mapper — host: the float32 weights, twice while the group operands are concatenated.
 
 The fit's peak on its device is the largest phase; on CPU host and device are one memory and add up.
