@@ -5,7 +5,7 @@ import torch
 
 from kvbridge.errors import UnsupportedModelError
 from kvbridge.models import cache_kv, positions_from_mask, prefill
-from kvbridge.rope import apply_rope, remove_rope, rope_spec, rotary_factors
+from kvbridge.rope import apply_rope, remove_rope, rope_factors, rope_spec, rotary_factors, rotation, unrotation
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -76,6 +76,21 @@ def test_remove_then_apply_is_identity(arch, rope_type):
     cos, sin = rotary_factors(model, torch.arange(SEQ)[None])
     for layer, k in enumerate(cache_kv(cache)[0]):
         assert torch.allclose(remove_rope(k, cos, sin), pre_rope_keys(model, layer, plain), atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_type", list(ROPES))
+def test_rope_factors_once_per_length_equal_the_module_at_every_call(rope_type):
+    """The per-length table (views for plain rows, a gather for padded ones) gives the module's own factors,
+    grows for a longer call, and is remade when the module's frequencies change in place."""
+    model = tiny_model("llama", ROPES[rope_type])
+    padded = positions_from_mask(torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
+    for positions in (torch.arange(6)[None], padded, torch.arange(40).expand(2, -1), padded + 30):
+        for inverse, factors in ((False, rotation), (True, unrotation)):
+            for got, want in zip(rope_factors(model, positions, inverse), factors(*rotary_factors(model, positions))):
+                assert torch.equal(got, want), (rope_type, positions.shape, inverse)
+    model.model.rotary_emb.inv_freq.mul_(0.5)  # e.g. a user rescaling RoPE: the table must not go stale
+    for got, want in zip(rope_factors(model, padded), rotation(*rotary_factors(model, padded))):
+        assert torch.equal(got, want)
 
 
 def test_yarn_attention_scaling_is_divided_out():

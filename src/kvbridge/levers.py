@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import FitError
-from .mapper import Features, Lever, build_features, layer_features
+from .mapper import Features, Lever, build_features, kv_features
 from .models import LoadedModel, prefill_content
 from .stats import KVStats, iter_batches
 
@@ -81,14 +81,14 @@ def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tens
     finally:
         for h in hooks:
             h.remove()
-    per_kind = {"key": layer_features(sk), "value": layer_features(sv)}  # (B, T, Ls, Fs)
-    if reads_state:
-        per_kind["state"] = state[0].float()[:, :, None, :]  # (B, T, 1, Hs)
+    kv = kv_features(sk, sv, dtype=torch.promote_types(sk[0].dtype, sv[0].dtype))  # (T, B, 2, Ls, Hs, Ds)
+    hidden_state = state[0].float().transpose(0, 1) if reads_state else None  # (T, B, Hs)
     native = {"key": tk, "value": tv}
     out = {}
     for (kind, layer), spec in specs.items():
-        sources = torch.tensor(spec.sources, device=per_kind["key"].device)
-        x = build_features(per_kind, spec, sources, None, 0)  # (B, T, F_in)
+        sources = torch.tensor(spec.sources, device=kv.device)
+        x = build_features(kv, hidden_state, spec, sources, None, 0)  # (T·B, F_in), token-major
+        x = x.view(*kv.shape[:2], -1).transpose(0, 1)  # (B, T, F_in)
         y = native[kind][layer].transpose(1, 2).flatten(2)  # (B, T, Ft)
         w = None
         if weighted:

@@ -18,8 +18,11 @@ residual MLP (``hidden``). Lagged features before a sequence's first token are z
 
 Target layers that read the same features and have no MLP share one GEMM: their weights are
 concatenated along the output dimension once, when the mapper is built, so the published artifact's top_k =
-all-layers mapper is a single ``addmm`` per K and V. Nothing in :meth:`Mapper.map` touches files,
-logs or syncs.
+all-layers mapper is a single ``addmm`` per K and V. The runtime holds the source's K/V token-major in one
+buffer (:func:`kv_features`): a plain group's ``x`` is a strided view of it, a lag is the same view shifted
+by B rows (float32 GEMMs accumulate lag by lag, so lagged features are never copied), and every GEMM writes
+its target layers' columns of one output buffer per kind, whose per-layer views are the cache. Nothing in
+:meth:`Mapper.map` touches files, logs or syncs.
 """
 
 from __future__ import annotations
@@ -333,6 +336,13 @@ class GemmGroup:
     weight: torch.Tensor  # (F_in, n·Ft)
     bias: torch.Tensor  # (n·Ft,)
     mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # W1, b1, W2, b2
+    slot: int = 0  # where its n target layers start in the mapped buffer (:meth:`Mapper.map_features`)
+
+
+def _slots(groups: list[GemmGroup]) -> tuple[int, ...]:
+    """Each target layer's slot in a mapped buffer whose slots follow ``groups``' target layers in order."""
+    order = [layer for group in groups for layer in group.targets]
+    return tuple(order.index(layer) for layer in range(len(order)))
 
 
 def _adjacent(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:
@@ -387,36 +397,98 @@ def assemble(config: MapperConfig, fetch, device: torch.device | str, dtype: tor
 def layer_features(layers: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """Ls × (B, H, T, D) → (B, T, Ls, H·D): every token's features per layer, heads head-major.
 
-    The one definition of the feature layout, shared by the fit's statistics and the runtime map.
+    The one definition of a row's feature layout, shared by the fit's statistics and the runtime map
+    (:func:`kv_features` holds the same rows token-major).
     """
     x = torch.stack([t.to(dtype) if dtype is not None else t for t in layers], dim=2)  # (B, H, Ls, T, D)
     return x.permute(0, 3, 2, 1, 4).flatten(3)  # (B, T, Ls, H·D)
 
 
-def build_features(per_kind: dict[str, torch.Tensor], spec: Features, sources: torch.Tensor | None,
-                   positions: torch.Tensor | None, past: int) -> torch.Tensor:
-    """(B, P+T, Ls, Fs) per input kind → x (B, T, F_in) for the features ``spec``.
+def kv_features(keys: list[torch.Tensor], values: list[torch.Tensor], rows: slice = slice(None),
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Ls × (B, H, T, D) keys and values → (T, B, 2, Ls, H, D), columns ``rows`` of each, in one buffer.
 
-    Token ``t`` reads token ``t − j`` for each lag ``j``; a lag that reaches before a row's first token
-    (``positions[t] < j``, or ``t < j`` without positions) reads zeros. Shared by fit and runtime.
+    Token-major, so that a chunk's tokens are one block of GEMM rows (B·T of them) and a lag is a shift
+    by B rows; keys then values, so a lever reading both reads one contiguous span per token. Each row
+    holds :func:`layer_features`' layout.
     """
-    pad = max(0, max(spec.lags) - past)  # lag context missing before the first column: zeros
-    if pad:
-        per_kind = {k: F.pad(x, (0, 0, 0, 0, pad, 0)) for k, x in per_kind.items()}
-        positions = None if positions is None else F.pad(positions, (pad, 0))
-        past += pad
-    total = next(iter(per_kind.values())).shape[1]
-    parts = []
+    b, h, t, d = keys[0][:, :, rows].shape
+    out = torch.empty((t, b, 2, len(keys), h, d), dtype=dtype or keys[0].dtype, device=device or keys[0].device)
+    for i, layers in enumerate((keys, values)):
+        for s, x in enumerate(layers):
+            out[:, :, i, s].copy_(x[:, :, rows].permute(2, 0, 1, 3))
+    return out
+
+
+def build_features(kv: torch.Tensor, state: torch.Tensor | None, spec: Features, sources: torch.Tensor | None,
+                   positions: torch.Tensor | None, past: int) -> torch.Tensor:
+    """x (T·B, F_in), token-major, for the features ``spec`` of the last T of ``kv``'s P+T tokens.
+
+    ``kv`` (P+T, B, 2, Ls, Hs, Ds) from :func:`kv_features`, ``state`` (P+T, B, Hs) or None. Token ``t``
+    reads token ``t − j`` for each lag ``j``; a lag that reaches before a row's first token
+    (``positions[t] < j``, or ``t < j`` without positions) reads zeros. Lag 0 of the caches alone is
+    a view of ``kv`` (no copy). Shared by the fit and :func:`features_matmul`.
+    """
+    blocks = list(lag_blocks(kv, state, spec, sources, positions, past))
+    if len(blocks) == 1 and blocks[0][0] == 0:
+        return blocks[0][1]
+    rows = (kv.shape[0] - past) * kv.shape[1]
+    x = torch.empty((rows, spec.width(kv.shape[-2] * kv.shape[-1])), dtype=kv.dtype, device=kv.device)
+    col = 0
+    for zeros, block in blocks:
+        dst = x[:, col : col + block.shape[1]]
+        col += block.shape[1]
+        dst[:zeros].zero_()
+        dst[zeros:].copy_(block)
+    return x
+
+
+def lag_blocks(kv: torch.Tensor, state: torch.Tensor | None, spec: Features, sources: torch.Tensor | None,
+               positions: torch.Tensor | None, past: int):
+    """The column blocks of :func:`build_features`' x in order, each as ``(zeros, block)``: its first ``zeros``
+    rows read before ``kv``'s first token (zeros), ``block`` holds the others.
+
+    A block is one input (the caches read, or the state) at one lag: rows of ``kv`` shifted by the lag, a
+    strided view unless positions mask some of them.
+    """
+    total, batch = kv.shape[:2]
+    rows = (total - past) * batch
+    kinds = [KINDS.index(i) for i in spec.inputs if i in KINDS]  # adjacent in kv: key, value
+    caches = kv[:, :, kinds[0] : kinds[-1] + 1]  # (P+T, B, I, Ls, Hs, Ds)
+    if sources is not None:
+        caches = caches.index_select(3, sources)
+    parts = [caches.reshape(total * batch, -1)]  # a strided view of kv when every source layer is read
+    if "state" in spec.inputs:
+        parts.append(state.reshape(total * batch, -1))
     for j in spec.lags:
-        for kind in spec.inputs:
-            x = per_kind[kind][:, past - j : total - j]  # (B, T, Ls, Fs), or (B, T, 1, Hs) for the state
-            if sources is not None and kind != "state":
-                x = x.index_select(2, sources)
-            if j:
-                pos = positions[:, past:] if positions is not None else torch.arange(past, total, device=x.device)[None]
-                x = x * (pos >= j).to(x.dtype)[:, :, None, None]
-            parts.append(x.flatten(2))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        zeros = min(max(j - past, 0) * batch, rows)  # rows whose lag j reaches before kv's first token
+        mask = None if not j or positions is None else (positions[:, past:] >= j).T.reshape(-1, 1)[zeros:]
+        for part in parts:
+            block = part[(past - j) * batch + zeros : (total - j) * batch] if zeros < rows else part[:0]
+            yield zeros, block if mask is None else block * mask
+
+
+def features_matmul(bias: torch.Tensor, kv: torch.Tensor, state: torch.Tensor | None, spec: Features,
+                    sources: torch.Tensor | None, positions: torch.Tensor | None, past: int, weight: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``build_features(…) @ weight + bias`` (T·B, N), into ``out`` if given.
+
+    In float32 the features are never assembled: one GEMM per block of :func:`lag_blocks` (shifted rows
+    of ``kv``, copied only where positions mask them) against its rows of ``weight`` accumulates in
+    ``out``. In lower precision that would round the sum once per block, so the features are built (a
+    view for plain layers) and multiplied at once.
+    """
+    if weight.dtype.itemsize < 4:
+        x = build_features(kv, state, spec, sources, positions, past).to(weight.dtype)
+        return torch.addmm(bias, x, weight) if out is None else torch.addmm(bias, x, weight, out=out)
+    rows = (kv.shape[0] - past) * kv.shape[1]
+    out = torch.empty((rows, weight.shape[1]), dtype=weight.dtype, device=weight.device) if out is None else out
+    out.copy_(bias)
+    first = 0
+    for zeros, block in lag_blocks(kv, state, spec, sources, positions, past):
+        out[zeros:].addmm_(block.to(weight.dtype), weight[first : first + block.shape[1]])
+        first += block.shape[1]
+    return out
 
 
 class Mapper:
@@ -458,11 +530,14 @@ class Mapper:
         self.run_report = dict(run_report or {})
         # the hot path's plan, per kind: target layers that share features share one GEMM (read-only)
         self.groups: dict[str, list[GemmGroup]] = {kind: self._build_groups(kind) for kind in KINDS}
+        # where each target layer sits in a mapped buffer: groups in order, so each GEMM writes one column span
+        self.slots: dict[str, tuple[int, ...]] = {kind: _slots(self.groups[kind]) for kind in KINDS}
 
     # -- construction -----------------------------------------------------------------------
     def _build_groups(self, kind: str) -> list[GemmGroup]:
         config = self.config
         groups = []
+        slot = 0
         all_layers = tuple(range(config.source.num_layers))
         for spec, targets, has_mlp in config.groups(kind):
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
@@ -482,7 +557,8 @@ class Mapper:
                     self.weights[name] = self.weights[name].contiguous()
                 mlp = tuple(self.weights[name] for name in names)
             groups.append(GemmGroup(features=spec, sources=sources, targets=tuple(targets), weight=weight,
-                                 bias=bias, mlp=mlp))
+                                 bias=bias, mlp=mlp, slot=slot))
+            slot += len(targets)
         return groups
 
     @property
@@ -587,14 +663,14 @@ class Mapper:
         tokens only feed lagged features of the T tokens after them. ``positions`` (B, P+T): each
         token's position (left padding: pads before position 0); lags that reach before position 0
         read zeros. Without ``positions`` column c is position c. Returns Lt tensors (B, Ht, T, Dt)
-        each, in the mapper's dtype; the caller re-applies the target's RoPE to keys. ``state`` (B, P+T, Hs):
-        the source's final hidden states, needed exactly when a lever reads them (``config.reads_state``).
+        each (views of one buffer per kind), in the mapper's dtype; the caller re-applies the target's RoPE
+        to keys. ``state`` (B, P+T, Hs): the source's final hidden states, needed exactly when a lever reads
+        them (``config.reads_state``).
         """
         self._check_inputs(keys, values, past, state)
-        per_kind = {"key": layer_features(keys, self.dtype), "value": layer_features(values, self.dtype)}
-        if state is not None and self.config.reads_state:
-            per_kind["state"] = state.to(self.dtype)[:, :, None, :]  # (B, P+T, 1, Hs): one "layer"
-        return self._map_kind("key", per_kind, positions, past), self._map_kind("value", per_kind, positions, past)
+        kv = kv_features(keys, values, dtype=self.dtype, device=self.device)
+        mapped = self.map_features(kv, positions, past, None if state is None else state.transpose(0, 1))
+        return self.layer_views("key", mapped["key"]), self.layer_views("value", mapped["value"])
 
     def _check_inputs(self, keys, values, past: int, state=None) -> None:
         """The source's per-layer K/V as ``map`` needs them, or one InputError that says what differs."""
@@ -624,22 +700,43 @@ class Mapper:
             raise InputError(f"state must be a float tensor (B, T, hidden) = ({b}, {t}, {width}), the source's final "
                              f"hidden states; got {getattr(state, 'shape', type(state).__name__)}.")
 
-    def _map_kind(self, kind: str, per_kind: dict[str, torch.Tensor], positions, past: int) -> list[torch.Tensor]:
-        batch, total = per_kind[kind].shape[:2]
-        tokens = total - past
-        ht, dt = self.config.target.num_kv_heads, self.config.target.head_dim
-        out: list[torch.Tensor | None] = [None] * self.config.target.num_layers
-        for group in self.groups[kind]:
-            x = build_features(per_kind, group.features, group.sources, positions, past)  # (B, T, F_in)
-            x = x.reshape(batch * tokens, -1)
-            y = torch.addmm(group.bias, x, group.weight)  # (B·T, n·Ft)
-            if group.mlp is not None:  # residual MLP in its own dtype (float32), (B·T, Ft)
-                w1, b1, w2, b2 = group.mlp
-                y = y + torch.addmm(b2, F.gelu(torch.addmm(b1, x.to(w1.dtype), w1)), w2).to(y.dtype)
-            y = y.view(batch, tokens, len(group.targets), ht, dt)  # (B, T, n, Ht, Dt)
-            for i, layer in enumerate(group.targets):
-                out[layer] = y[:, :, i].transpose(1, 2)  # (B, Ht, T, Dt)
-        return out  # type: ignore[return-value]
+    @torch.no_grad()
+    def map_features(self, kv: torch.Tensor, positions: torch.Tensor | None = None, past: int = 0,
+                     state: torch.Tensor | None = None, out: dict[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """The map proper: ``kv`` (P+T, B, 2, Ls, Hs, Ds) from :func:`kv_features`, in the mapper's dtype and
+        device → per kind a buffer (T, B, Lt, Ht, Dt), target layers in :attr:`slots` order.
+
+        ``state`` (P+T, B, Hs) token-major; ``positions`` and ``past`` as in :meth:`map`. ``out``: buffers of
+        that shape, dtype and device to fill (the rows of a cache being built), else new ones. Each GEMM
+        writes its target layers' columns of the buffer directly: nothing is copied after it.
+        """
+        total, batch = kv.shape[:2]
+        t_cfg = self.config.target
+        shape = (total - past, batch, t_cfg.num_layers, t_cfg.num_kv_heads, t_cfg.head_dim)
+        out = out or {kind: torch.empty(shape, dtype=self.dtype, device=self.device) for kind in KINDS}
+        state = state.to(self.dtype) if state is not None and self.config.reads_state else None
+        for kind in KINDS:
+            self._map_kind(kind, kv, state, positions, past, out[kind].view(-1, math.prod(shape[2:])))
+        return out
+
+    def _map_kind(self, kind: str, kv: torch.Tensor, state, positions, past: int, out: torch.Tensor) -> None:
+        """Every GEMM group of ``kind``: x @ W + b (+ the residual MLP) into its columns of ``out`` (T·B, Lt·Ft)."""
+        ft = self.config.target.kv_features
+        for g in self.groups[kind]:
+            y = out[:, g.slot * ft : (g.slot + len(g.targets)) * ft]
+            features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight, out=y)
+            if g.mlp is not None:  # residual MLP in its own dtype (float32), (T·B, Ft)
+                w1, b1, w2, b2 = g.mlp
+                h = features_matmul(b1, kv, state, g.features, g.sources, positions, past, w1)
+                if y.dtype == w2.dtype:  # accumulate in place: no (T·B, Ft) temporary
+                    y.addmm_(F.gelu(h, approximate="none"), w2).add_(b2)
+                else:
+                    y += torch.addmm(b2, F.gelu(h), w2).to(y.dtype)
+
+    def layer_views(self, kind: str, mapped: torch.Tensor) -> list[torch.Tensor]:
+        """Per target layer, its (B, Ht, T, Dt) view of a buffer (T, B, Lt, Ht, Dt) from :meth:`map_features`."""
+        return [mapped[:, :, slot].permute(1, 2, 0, 3) for slot in self.slots[kind]]
 
 
 def read_config(directory: str | Path) -> MapperConfig:

@@ -361,10 +361,23 @@ def cache_kv(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def make_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A transformers ``DynamicCache`` for ``model`` from per-layer rotated keys and values."""
-    from transformers import DynamicCache
+    """A transformers ``DynamicCache`` for ``model`` from per-layer rotated keys and values.
 
-    return DynamicCache(ddp_cache_data=list(zip(keys, values)), config=model.config)
+    A plain ``DynamicLayer`` holds the given tensors themselves (views are fine: its first update
+    concatenates them into a new tensor anyway); filling it through ``update`` would copy every layer
+    once more. Other layer types (sliding windows, …) are filled through ``update``.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    for layer, k, v in zip(cache.layers, keys, values):
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(k, v)  # what its first update does before concatenating
+            layer.keys, layer.values = k, v
+        else:
+            layer.update(k, v)
+    return cache
 
 
 @torch.no_grad()

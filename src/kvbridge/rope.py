@@ -17,6 +17,7 @@ plain RoPE, YaRN's mscale² otherwise).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,11 @@ from .errors import UnsupportedModelError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3")
 # RoPE types whose cos/sin are a pure function of position (given the sequence length for "dynamic").
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# RoPE types whose cos/sin depend on position alone: one table over positions 0 … L−1 serves every call (a
+# "dynamic" module rescales with the longest sequence it has seen)
+TABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rotary module → (its inv_freq, that tensor's version, (rotation, removal) factors at positions 0 … L−1)
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -121,21 +127,91 @@ def rotary_factors(model, position_ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return cos.float(), sin.float()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@torch.no_grad()
+def rope_factors(model, position_ids: torch.Tensor, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``(c, s)`` (B, T, D) of :func:`rotate_` for ``model``'s RoPE at ``position_ids``: its
+    rotation (:func:`rotation`), or with ``inverse`` its removal (:func:`unrotation`). Read-only.
+
+    cos/sin once per length on CPU, where the module's transcendental functions cost a few per cent of a
+    warm map: when they depend on position alone, the factors are read from :func:`factor_table` (views
+    when every row's positions are 0 … T−1). Otherwise, for negative positions, and on an accelerator
+    (where the module is cheap and a table lookup would sync), they come from the module at every call.
+    """
+    rotary = rotary_module(model)
+    inv = getattr(rotary, "inv_freq", None)
+    if getattr(rotary, "rope_type", None) in TABLE_ROPE_TYPES and isinstance(inv, torch.Tensor) \
+            and inv.device.type == "cpu":
+        position_ids = position_ids.to(inv.device)
+        plain = plain_positions(position_ids)
+        if plain or int(position_ids.min()) >= 0:
+            high = position_ids.shape[1] - 1 if plain else int(position_ids.max())
+            factors = factor_table(model, rotary, high)[inverse]  # (L, D) each
+            if plain:
+                return tuple(f[: position_ids.shape[1]].expand(*position_ids.shape, -1) for f in factors)
+            return tuple(f[position_ids] for f in factors)
+    return (unrotation if inverse else rotation)(*rotary_factors(model, position_ids))
+
+
+def factor_table(model, rotary, high: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """``(rotation, removal)`` factors (L, D) at positions 0 … L−1, L > ``high`` a power of two, made from
+    the module's own cos/sin once per length and remade only for a longer L or a changed module (its
+    inverse frequencies replaced, or modified in place)."""
+    inv = rotary.inv_freq
+    table = _TABLES.get(rotary)
+    if table is None or table[0] is not inv or table[1] != inv._version or table[2][0][0].shape[0] <= high:
+        cos, sin = rotary_factors(model, torch.arange(1 << high.bit_length(), device=inv.device)[None])
+        table = _TABLES[rotary] = (inv, inv._version, (rotation(cos[0], sin[0]), unrotation(cos[0], sin[0])))
+    return table[2]
+
+
+def plain_positions(position_ids: torch.Tensor) -> bool:
+    """Whether every row's positions are its column indices 0 … T−1 (no padding). Always False on an
+    accelerator, where the check would sync: callers then take the general path."""
+    return position_ids.device.type == "cpu" and torch.equal(
+        position_ids, torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids))
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``(c, s)`` of the rotation: ``apply_rope(k) = k·c + swap_halves(k)·s`` (:func:`rotate_`)."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def unrotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Factors ``(c, s)`` of the inverse rotation: ``remove_rope(k) = k·c + swap_halves(k)·s``, the division
+    by ``cos² + sin²`` folded into them (computed once for every layer and head)."""
+    half = sin.shape[-1] // 2
+    norm = cos * cos + sin * sin
+    return cos / norm, torch.cat((sin[..., :half], -sin[..., half:]), dim=-1) / norm
+
+
+def rotate_(k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``k ← k·c + swap_halves(k)·s`` in place on ``k`` (…, D), factors from :func:`rotation` or
+    :func:`unrotation` broadcastable to it (any layout: every layer and head of a buffer at once), equal to
+    :func:`apply_rope`'s formula to float32 rounding. The only temporary is half of ``k``."""
+    half = k.shape[-1] // 2
+    (k1, k2), (c1, c2), (s1, s2) = ((x.narrow(-1, 0, half), x.narrow(-1, half, half)) for x in (k, c, s))
+    t = k1 * s2
+    k1.mul_(c1).addcmul_(k2, s1)
+    k2.mul_(c2).add_(t)
+    return k
+
+
+def swap_halves(k: torch.Tensor) -> torch.Tensor:
+    half = k.shape[-1] // 2
+    return torch.cat((k[..., half:], k[..., :half]), dim=-1)
 
 
 def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate content keys ``k`` (B, H, T, D) with cos/sin (B, T, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D) broadcast over heads
-    return k * cos + rotate_half(k) * sin
+    c, s = rotation(cos.unsqueeze(1), sin.unsqueeze(1))  # (B, 1, T, D) broadcast over heads
+    return k * c + swap_halves(k) * s
 
 
 def remove_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`apply_rope`: content keys from rotated keys (B, H, T, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (k * cos - rotate_half(k) * sin) / (cos * cos + sin * sin)
+    c, s = unrotation(cos.unsqueeze(1), sin.unsqueeze(1))
+    return k * c + swap_halves(k) * s
 
 
 def query_scale(model, position_ids: torch.Tensor) -> torch.Tensor | None:

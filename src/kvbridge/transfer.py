@@ -16,13 +16,14 @@ A :class:`Bridge` builds caches and the first token's logits; prompt batches com
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
 from .errors import CompatibilityError, InputError, NumericalError
 from .generation import Generation, generate_ids, generate_texts
-from .mapper import Mapper
+from .mapper import KINDS, Mapper, kv_features
 from .models import (
     LoadedModel,
     cache_kv,
@@ -35,7 +36,7 @@ from .models import (
 )
 from .prompts import PromptBatches, check_batch
 from .recompute import selective_recompute
-from .rope import apply_rope, remove_rope, rotary_factors
+from .rope import plain_positions, rope_factors, rotate_
 from .scoring import Score, score_ids, score_texts
 
 Mode = Literal["mapped", "native", "source"]
@@ -47,10 +48,12 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
                      chunk_tokens: int = 1024, state: torch.Tensor | None = None):
     """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``.
 
-    Tokens are mapped in chunks of ``chunk_tokens`` straight into preallocated target
-    tensors, so the transient memory beyond the output cache is one chunk's features, not a
-    copy of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE
-    depends on the full length). ``state`` (B, T, Hs): the source's final hidden states, for a mapper
+    Tokens are mapped in chunks of ``chunk_tokens``; each chunk's GEMMs write straight into one
+    preallocated buffer that becomes the cache (:meth:`Mapper.map_features`' layout; the cache's layers
+    are views of it), so the transient memory beyond the output cache is one chunk's features, not a copy
+    of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE depends on the
+    full length; on CPU once per length, :func:`~kvbridge.rope.rope_factors`); each RoPE is one in-place
+    pass over every layer of a chunk. ``state`` (B, T, Hs): the source's final hidden states, for a mapper
     whose levers read them (``mapper.config.reads_state``).
     """
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -58,29 +61,47 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     src_k, src_v = cache_kv(source_cache)
     batch, _, tokens, _ = src_k[0].shape
     t_cfg = mapper.config.target
-    device = next(target_model.parameters()).device
-    dtype = next(target_model.parameters()).dtype
-    shape = (batch, t_cfg.num_kv_heads, tokens, t_cfg.head_dim)
-    out_k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_cfg.num_layers)]
-    out_v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(t_cfg.num_layers)]
-    s_cos, s_sin = rotary_factors(source_model, positions.to(src_k[0].device))  # (B, T, Ds)
-    t_cos, t_sin = rotary_factors(target_model, positions.to(device))  # (B, T, Dt)
+    param = next(target_model.parameters())
+    out = torch.empty((2, tokens, batch, t_cfg.num_layers, t_cfg.num_kv_heads, t_cfg.head_dim), device=param.device,
+                      dtype=param.dtype)  # keys, values: the target's cache, in the map's layout
+    direct = (mapper.device, mapper.dtype) == (param.device, param.dtype)  # the GEMMs can write into ``out``
+    unrotate = token_major(rope_factors(source_model, positions, inverse=True))  # (T, B, 1, 1, Ds) each
+    rotate = token_major(rope_factors(target_model, positions))  # (T, B, 1, 1, Dt) each
     m_dev, lag = mapper.device, mapper.max_lag
+    masked = lag > 0 and not plain_positions(positions)  # lags need positions only where some row is padded
     for t0 in range(0, tokens, chunk_tokens):
         sl = slice(t0, min(t0 + chunk_tokens, tokens))
         src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
-        keys = [remove_rope(k[:, :, src].float(), s_cos[:, src], s_sin[:, src]).to(m_dev) for k in src_k]
-        mk, mv = mapper.map(keys, [v[:, :, src].to(m_dev) for v in src_v], positions[:, src].to(m_dev) if lag else None,
-                            past=t0 - src.start, state=None if state is None else state[:, src].to(m_dev))
-        for layer in range(t_cfg.num_layers):
-            out_k[layer][:, :, sl] = apply_rope(mk[layer].to(device, torch.float32), t_cos[:, sl], t_sin[:, sl])
-            out_v[layer][:, :, sl] = mv[layer]
-    # one sum per tensor and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose
-    # sum overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
-    if not bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in out_k + out_v])).all()):
+        kv = kv_features(src_k, src_v, src, torch.float32)  # (P+T, B, 2, Ls, Hs, Ds), on the source's device
+        rotate_(kv[:, :, 0], *(f[src] for f in unrotate))  # content keys, every source layer at once
+        rows = dict(zip(KINDS, out[:, sl]))
+        mapped = mapper.map_features(kv.to(m_dev, mapper.dtype), positions[:, src].to(m_dev) if masked else None,
+                                     t0 - src.start, None if state is None else state[:, src].to(m_dev).transpose(0, 1),
+                                     out=rows if direct else None)
+        del kv  # a chunk's transient memory is its features or its keys' rotation, not both
+        rotate_into(rows["key"], mapped["key"], *(f[sl] for f in rotate))
+        if not direct:
+            rows["value"].copy_(mapped["value"])
+    # one sum and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose sum
+    # overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
+    if not math.isfinite(out.sum(dtype=torch.float32)):
         raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
                              "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
-    return make_cache(target_model, out_k, out_v)
+    return make_cache(target_model, mapper.layer_views("key", out[0]), mapper.layer_views("value", out[1]))
+
+
+def token_major(factors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE factors (B, T, D) as (T, B, 1, 1, D) views: broadcast over a buffer's layers and heads."""
+    return tuple(f.transpose(0, 1)[:, :, None, None] for f in factors)
+
+
+def rotate_into(dst: torch.Tensor, mapped: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+    """``dst`` ← mapped content keys with the target's RoPE (factors ``c``, ``s``), computed in float32 (in
+    place when the map wrote ``dst`` itself in float32), then in ``dst``'s dtype."""
+    keys = mapped if mapped is dst and dst.dtype == torch.float32 else mapped.to(dst.device, torch.float32, copy=True)
+    rotate_(keys, c, s)
+    if keys is not dst:
+        dst.copy_(keys)
 
 
 def check_parts(source: LoadedModel, target: LoadedModel, mapper: Mapper) -> None:
