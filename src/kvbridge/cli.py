@@ -391,7 +391,7 @@ def _cmd_plan(args) -> int:
 
     import torch
 
-    from .models import resolve_dtype
+    from .models import default_dtype, resolve_dtype
     from .plan import model_shape, plan, plan_table, read_config
 
     config = _fit_config(args)
@@ -401,12 +401,11 @@ def _cmd_plan(args) -> int:
     if args.json:
         check_output_file(args.json, "--json")
     try:
-        cpu = torch.device(args.device).type == "cpu"
+        kind = torch.device(args.device).type
     except RuntimeError:
         raise KVBridgeError(f"--device {args.device!r} is not a device name; use e.g. cuda, cuda:1 or cpu.") from None
     # the device is planned for, not used: it need not exist here
-    dtype = str(resolve_dtype("float32" if cpu else "bfloat16", "cpu") if args.dtype == "auto" else
-                resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
+    dtype = str(default_dtype(kind) if args.dtype == "auto" else resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
     source = model_shape(read_config(args.source, args.source_revision), args.source)
     target = model_shape(read_config(args.target, args.target_revision), args.target)
     result = plan(source, target, config, args.device, dtype, contexts, args.batch, args.processes)

@@ -111,12 +111,17 @@ def check_device(device: str | torch.device | None, flag: str = "--device") -> t
     return dev
 
 
+def default_dtype(device_type: str) -> torch.dtype:
+    """What ``auto`` means: bfloat16 on accelerators, float32 on CPU."""
+    return torch.float32 if device_type == "cpu" else torch.bfloat16
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """``auto``/None: bfloat16 on accelerators, float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32 if check_device(device).type == "cpu" else torch.bfloat16
+        return default_dtype(check_device(device).type)
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
     if dtype not in names:

@@ -303,9 +303,9 @@ def _statistics_flops(source: ModelShape, target: ModelShape, config) -> float:
 
 
 def runtime_row(source: ModelShape, target: ModelShape, config, tokens: int, batch: int, itemsize: int) -> dict:
-    """Bytes of one mapped prefill of ``batch`` × ``tokens`` on one device: weights, both caches, the map's
-    transient (one chunk: the source's content keys and the target's keys in float32, the features in the
-    mapper's dtype) and the larger forward's activations."""
+    """Bytes of one mapped prefill of ``batch`` × ``tokens`` on one device: weights, both caches (the map
+    writes the target's straight into it), the map's transient for one chunk, and the larger forward's
+    activations."""
     import inspect
 
     from .transfer import Bridge
@@ -313,7 +313,9 @@ def runtime_row(source: ModelShape, target: ModelShape, config, tokens: int, bat
     chunk = batch * min(tokens, inspect.signature(Bridge).parameters["chunk_tokens"].default)  # Bridge's default
     widest = max([selected_features(config, source)] + [w for w, _ in _levers(config, source, target)])
     fx, fy = source.layers * source.kv_features, target.layers * target.kv_features
-    mapping = chunk * ((fx + fy) * F32 + (widest + fy) * itemsize)
+    # the chunk's source K and V in float32 (kv_features), features built for a low-precision GEMM, and the
+    # float32 copy of the mapped keys rotated before they are written into the cache in its dtype
+    mapping = chunk * (2 * fx * F32 + (widest * itemsize if itemsize < F32 else 0) + fy * F32)
     parts = {
         "models": (source.parameters + target.parameters) * itemsize,
         "mapper": mapper_parameters(source, target, config) * itemsize,
