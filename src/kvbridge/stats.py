@@ -363,10 +363,11 @@ class RidgeFactor:
 def ridge_factor(a: torch.Tensor, ridge: float, device: str | torch.device | None = None) -> RidgeFactor:
     """Factor A + λI with λ = ridge · mean(diag A) on ``device`` (default: A's), raising λ while the
     factorisation fails or is numerically singular. A is not changed; the device holds one copy of A and
-    the factor, nothing else of its size."""
+    the factor, and while solving the factor and the column-major copy LAPACK/cuSOLVER take of it."""
     device = a.device if device is None else torch.device(device)
     scale = float(torch.diagonal(a).mean())
-    if not all(bool(torch.isfinite(a[i : i + BLOCK]).all()) for i in range(0, a.shape[0], BLOCK)):  # a mask per block
+    rows = max(1, BLOCK * BLOCK // max(a.shape[1], 1))  # rows per check: a block-sized mask at a time
+    if not all(bool(torch.isfinite(a[i : i + rows]).all()) for i in range(0, a.shape[0], rows)):
         raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
                        "(try --dtype float32).")
     if scale <= 0:
