@@ -134,7 +134,7 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
     weights, report = {}, {}
     for lever in levers:
         key, name = (lever.kind, lever.layer), f"{lever.kind}.{lever.layer}"
-        s = stats.pop(key)  # freed once solved
+        s = stats.pop(key)  # freed once solved (below), before the MLP trains
         factor = ridge_factor(s.gram, ridge, device)
         w = factor.solve(s.cross)  # (F_in, Ft) float64 on the target's device
         r2_linear, factor_ridge = factor.r2(w, s.cross, s.ssq_y.sum()), factor.relative
@@ -143,6 +143,7 @@ def fit_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor
         bias = s.mean_y - s.mean_x @ w
         weights[f"{name}.weight"] = w.float().cpu().contiguous()
         weights[f"{name}.bias"] = bias.float().cpu().contiguous()
+        del s, w, bias
         report[name] = {"lever": lever.to_dict(), "features": specs[key].width(fs), "weighting": weighting,
                         "ridge_used": factor_ridge, "r2_fit_linear": r2_linear}
         if lever.hidden:

@@ -19,8 +19,8 @@ Fit phases (see :mod:`kvbridge.stats` and :func:`kvbridge.fit.fit_mapper`):
   statistics, the index copy of G_SS when a layer reads a subset, both kinds' float32 weights.
 * lever solve — host: each lever's statistics and the residual MLP's sample (float32), the plain weights;
   device: a lever's G and its factor.
-* lever MLP — host: the sample three times (collected, concatenated, standardised) and a training step:
-  the MLP trains in host memory.
+* lever MLP — host: the sample three times (collected, concatenated, standardised) and a training step
+  (the lever's statistics are freed by then): the MLP trains in host memory.
 * mapper — host: the float32 weights, twice while the group operands are concatenated.
 
 The fit's peak on its device is the largest phase; on CPU host and device are one memory and add up.
@@ -220,9 +220,9 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) ->
                              "lever G and factor (device)": device}))
         if sample:  # the residual MLP trains in host memory: the sample concatenated, then standardised
             step = max(config.mlp_batch * (w + 2 * h + 2 * ft) * F32 * 4 for w, h in levers if h)
-            phases.append(Phase("lever MLP", lever_stats + 3 * sample + weights + step, 0,
-                                {"lever statistics (host)": lever_stats, "sample, concatenated, standardised "
-                                 "(host)": 3 * sample, "one training step (host)": step}))
+            phases.append(Phase("lever MLP", 3 * sample + weights + step, 0,  # its statistics are freed by then
+                                {"sample, concatenated, standardised (host)": 3 * sample,
+                                 "one training step (host)": step}))
     params = mapper_parameters(source, target, config)
     phases.append(Phase("mapper", 2 * params * F32, 0, {"float32 weights, concatenated once": 2 * params * F32}))
     return phases
