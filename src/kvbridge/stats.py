@@ -54,10 +54,6 @@ class KVStats:
         self.cross = torch.zeros(fx, fy, **f64)
         self.ssq_y = torch.zeros(fy, **f64)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * 8 for t in (self.mean_x, self.mean_y, self.gram, self.cross, self.ssq_y))
-
     def _shift(self, n, mean_x, mean_y) -> float:
         """Chan, Golub & LeVeque: add the between-block terms of merging ``n`` observations with these means,
         move the means and count; returns 0 when there is nothing to merge. The caller adds the block's own
@@ -388,12 +384,3 @@ def ridge_factor(a: torch.Tensor, ridge: float, device: str | torch.device | Non
         del factor
         lam = max(lam * 10.0, 1e-10 * scale)
     raise FitError(f"the Gram matrix stays singular even with ridge {lam / scale:.1e}; pass a larger --ridge.")
-
-
-def ridge_solve(a: torch.Tensor, rhs: torch.Tensor, ridge: float) -> tuple[torch.Tensor, float]:
-    """Solve (A + λI) W = rhs with λ = ridge · mean(diag A); returns (W, the relative ridge used)."""
-    if not torch.isfinite(rhs).all():
-        raise FitError("the calibration statistics contain NaN or Inf; check the models' outputs in this dtype "
-                       "(try --dtype float32).")
-    f = ridge_factor(a, ridge)
-    return f.solve(rhs), f.relative
