@@ -93,8 +93,8 @@ def tiny_pair(tmp_path_factory):
 
 
 # fit options that make a mapper of the tiny pair in seconds, with the default levers on
-FAST_FIT = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--hold-back", "4",
-            "--quiet"]
+FAST_FIT = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--tune-steps", "10",
+            "--hold-back", "4", "--quiet"]
 
 
 @pytest.fixture(scope="session")

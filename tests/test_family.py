@@ -71,7 +71,7 @@ def test_target_is_clearly_better_than_source_on_heldout(pair, rows):
 @pytest.fixture(scope="module")
 def bridge(pair):
     source, target = pair
-    config = FitConfig(num_texts=16, seq_len=256, stride=2, heldout_texts=0, batch_size=8)
+    config = FitConfig(num_texts=16, seq_len=256, stride=2, heldout_texts=0, batch_size=8, tune_steps=20)
     mapper = fit_mapper(source, target, family.calibration_texts(), config, progress=False)
     return Bridge(source, target, mapper)
 

@@ -118,7 +118,7 @@ def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
-    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4)
+    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, tune_steps=20)
     plain = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
     levered = fit_mapper(source, target, texts, FitConfig(**base, lags=(0, 1), lever_inputs="kv", mlp_hidden=8,
                                                           mlp_steps=30, lever_layers=(2,)), progress=False)
@@ -214,7 +214,7 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
     base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, lags=(0, 1), mlp_hidden=8, mlp_steps=30,
-                lever_layers=(2,))
+                lever_layers=(2,), tune_steps=20)
     kv = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kv"), progress=False)
     kvs = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kvs"), progress=False)
     (lever,) = kvs.config.levers

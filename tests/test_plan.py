@@ -34,7 +34,7 @@ def test_fit_peak_within_15_percent_of_the_plan(wide_pair, texts, levers):
     """A tensor-bytes account of the whole fit (CPU: host and device are one) against the plan's peak."""
     source, target = wide_pair
     config = FitConfig(num_texts=texts, seq_len=64, heldout_texts=0, batch_size=2, hold_back=4, mlp_steps=10,
-                       **({} if levers else PLAIN))
+                       tune_steps=5, **({} if levers else PLAIN))
     _, measured = measured_peak(lambda: fit_mapper(source, target, corpus_texts(200), config, progress=False))
     planned = plan(model_shape(source.model.config), model_shape(target.model.config), config, "cpu", "float32")
     assert abs(measured - planned["fit_peak_bytes"]) <= 0.15 * planned["fit_peak_bytes"], (measured, planned)
@@ -61,7 +61,8 @@ def test_published_geometry_fits_in_12_gib_beyond_the_models(tmp_path, capsys):
     levered = json.loads(out.read_text())
     assert levered["fit_peak_bytes"] <= 12 * 2**30
     assert levered["mapper_parameters"] == published_config(*pair, levers=True).num_parameters()
-    assert [p["name"] for p in levered["fit_phases"]] == ["capture", "solve", "lever solve", "lever MLP", "mapper"]
+    assert [p["name"] for p in levered["fit_phases"]] == ["capture", "solve", "lever solve", "lever MLP", "lever tune",
+                                                     "mapper"]
     # memory is set by the geometry: a corpus ten times larger plans the same peak
     big = plan(model_shape(read_config("ministral3-3b-text")), model_shape(read_config("ministral3-8b-text")),
                FitConfig(num_texts=5000, stride=4, **PLAIN))

@@ -22,7 +22,7 @@ def pair():
 def bridge(pair):
     source, target = pair
     mapper = fit_mapper(source, target, family.calibration_texts(),
-                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0), progress=False)
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, tune_steps=20), progress=False)
     return Bridge(source, target, mapper)
 
 
@@ -119,7 +119,8 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
 
     source, target = pair
     mapper = fit_mapper(source, target, family.calibration_texts(),
-                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, recompute=0.1, recompute_by="bigram"),
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, recompute=0.1, recompute_by="bigram",
+                                  tune_steps=20),
                         progress=False)
     mapper.save_pretrained(tmp_path / "m")
     loaded = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)

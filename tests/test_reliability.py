@@ -244,7 +244,7 @@ def test_identical_fits_have_identical_checksums(tiny_pair, tmp_path):
 
     source_dir, target_dir, texts = tiny_pair
     source, target = load_model(source_dir), load_model(target_dir)
-    config = FitConfig(num_texts=6, seq_len=64, heldout_texts=2, mlp_steps=20, hold_back=4)
+    config = FitConfig(num_texts=6, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=10, hold_back=4)
     for name in ("a", "b"):
         fit_mapper(source, target, read_texts(texts), config, progress=False).save_pretrained(tmp_path / name)
     assert (tmp_path / "a" / CHECKSUMS_FILE).read_bytes() == (tmp_path / "b" / CHECKSUMS_FILE).read_bytes()

@@ -139,6 +139,13 @@ def _fit_section(config: MapperConfig, run: dict) -> str:
                        + (f", residual MLP {v.hidden}" if v.hidden else "")
                        for v in config.levers) or "none (plain map)"
     lines.append(f"| levers | {levers} |")
+    tune = f.get("tune")
+    if isinstance(tune, dict) and number(tune.get("validation_kl_before")) and number(tune.get("validation_kl_after")):
+        budget = tune.get("budget") if isinstance(tune.get("budget"), dict) else {}
+        lines.append(f"| levers tuned on the target's output | {budget.get('steps', '?')} steps on "
+                     f"{tune.get('rows', '?')} rows (a share of {s.get('repeat_spans', 0):g} with a repeated span); "
+                     f"validation KL {tune['validation_kl_before']:.4f} → {tune['validation_kl_after']:.4f}, "
+                     f"{'kept' if tune.get('kept') else 'not kept'} |")
     r = config.runtime
     lines.append(f"| runtime | hold-back {r.hold_back} tokens, recompute {r.recompute:g} (by {r.recompute_by}), "
                  f"sink {'on' if r.sink else 'off'} |")

@@ -82,7 +82,24 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mlp-observations", type=int, default=d.mlp_observations,
                    help="observations the MLP trains on, a seeded sample held in host memory in float32 (twice "
                         f"while standardised): bounds the fit's RAM (default: {d.mlp_observations:,})")
-    g.add_argument("--seed", type=int, default=d.seed, help=f"seed of the MLP training (default: {d.seed})")
+    g.add_argument("--repeat-spans", type=float, default=d.repeat_spans,
+                   help="spans of 8-32 tokens (random tokens or another row's text) written twice into each of the "
+                        "levers' calibration rows, on average, so that the levers also learn text only the context "
+                        f"explains (default: {d.repeat_spans}; 0: the rows as they are)")
+    g.add_argument("--lever-objective", choices=["kv", "output"], default=d.lever_objective,
+                   help="kv: levers fitted by mean squared error on the target's K/V; output: then tuned end to end "
+                        "on the KL divergence from the target's native next-token distribution (needs Llama-style "
+                        f"decoder layers; checked) (default: {d.lever_objective})")
+    g.add_argument("--tune-steps", type=int, default=d.tune_steps,
+                   help=f"tuning steps with --lever-objective output (default: {d.tune_steps})")
+    g.add_argument("--tune-batch", type=int, default=d.tune_batch,
+                   help=f"calibration rows a tuning step (default: {d.tune_batch})")
+    g.add_argument("--tune-lr", type=float, default=d.tune_lr, help=f"tuning learning rate (default: {d.tune_lr})")
+    g.add_argument("--tune-rows", type=int, default=d.tune_rows,
+                   help="calibration rows kept for tuning, with their lever features, in host memory (a seeded "
+                        f"sample beyond; 5%% validate) (default: {d.tune_rows})")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the MLP training, the repeated spans and the tuning (default: {d.seed})")
     r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
     r.add_argument("--recompute", type=float, default=d.recompute,
                    help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
@@ -104,7 +121,9 @@ def _lever_settings(args) -> dict:
                 lever_weighting=args.lever_weighting,
                 mlp_hidden=args.mlp_hidden,
                 mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr,
-                mlp_observations=args.mlp_observations, seed=args.seed,
+                mlp_observations=args.mlp_observations, repeat_spans=args.repeat_spans,
+                lever_objective=args.lever_objective, tune_steps=args.tune_steps, tune_batch=args.tune_batch,
+                tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
                 recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
 
 
@@ -206,10 +225,12 @@ def _parser() -> argparse.ArgumentParser:
 
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
-                                    "MLP, selective recompute, native sink), measures each on the family tasks at two "
+                                    "MLP, tuning on the target's output, selective recompute, hold-back), "
+                                    "measures each on the family tasks at two "
                                     "context lengths and its time to first token against native at the longest, and "
                                     "writes OUT/frontier.json, frontier.md and frontier.png with the Pareto front and "
-                                    "the recommended point (best retention with a TTFT speed-up >= 1.5x). Without "
+                                    "the recommended point (the fastest within one point of the best validation "
+                                    "retention with a TTFT speed-up >= 1.5x). Without "
                                     "--source/--target it runs on the embedded family.", epilog=EPILOG)
     fr.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
     fr.add_argument("--source", help="source model (default: the embedded family's)")
@@ -217,9 +238,11 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
-    fr.add_argument("--grid", choices=["full", "extended", "quick"], default="full",
+    fr.add_argument("--grid", choices=["full", "extended", "tuning", "quick"], default="full",
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
-                         "that did not make it, for the record (about 20 minutes); quick: a smoke test (default: full)")
+                         "that did not make it, for the record (about 35 minutes); tuning: what tuning on the "
+                         "target's output and the repeated spans each buy (about 12 minutes); quick: a smoke test "
+                         "(default: full)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
@@ -684,6 +707,14 @@ def _cmd_inspect(args) -> int:
         for kind in ("key", "value"):
             fitted, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
             print(f"R² {kind:6s} fit {_number(fitted)}" + (f", held-out {_number(held)}" if held is not None else ""))
+    for v in config.levers:
+        print(f"lever     {v.kind}s of target layer {v.layer}: {'+'.join(v.inputs) or v.kind + 's'} at lags "
+              f"{','.join(map(str, v.lags))}" + (f", residual MLP {v.hidden}" if v.hidden else ""))
+    tune = f.get("tune")
+    if isinstance(tune, dict):
+        print(f"tuned     on the target's output: validation KL {_number(tune.get('validation_kl_before'))} → "
+              f"{_number(tune.get('validation_kl_after'))} "
+              f"({'kept' if tune.get('kept') else 'not kept: it did not help'})")
     elif f.get("kind"):
         print(f"fit       {f['kind']}")
     return 0

@@ -43,7 +43,7 @@ class DemoConfig:
 FULL = DemoConfig(fit=FitConfig(),  # kvbridge fit's defaults: the frontier's recommended levers
                   task_items=48, task_lengths=(256, 1024), contexts=(64, 256, 1024), warmup=2, trials=7)
 QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
-                                 mlp_batch=256),
+                                 mlp_batch=256, tune_steps=10),
                    task_items=8, task_lengths=(128,), contexts=(32, 64), warmup=1, trials=3, new_tokens=8)
 PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0, sink=False, hold_back=1)
 

@@ -37,7 +37,8 @@ from .stats import (
     iter_batches,
     ridge_factor,
 )
-from .texts import calibration_sequences, split_heldout_documents
+from .texts import MAX_SPANS, calibration_sequences, repeat_spans, split_heldout_documents
+from .tune import OBJECTIVES
 
 RIDGE_SCALING = "lambda_eff = ridge * mean(diag(G_SS)) on centered sums; W = (G_SS + lambda_eff I)^-1 C_S,l"
 MAX_WIDTH = 65_536  # widest residual MLP a fit accepts (the published geometry's features: 1,024)
@@ -74,9 +75,17 @@ class FitConfig:
     mlp_batch: int = 1024
     mlp_lr: float = 1e-3
     mlp_observations: int = 262_144  # the MLP's training sample, kept in host memory (float32)
+    repeat_spans: float = 0.5  # spans written twice per lever calibration row, on average (texts.repeat_spans)
+    lever_objective: str = "output"  # "kv": mean squared error on K/V; "output": then tuned on the target's
+    # next-token distribution (kvbridge.tune)
+    tune_steps: int = 600
+    tune_batch: int = 2  # rows a tuning step
+    tune_lr: float = 3e-4
+    tune_rows: int = 160  # calibration rows kept for tuning (host memory: rows × seq_len × features)
     seed: int = 0
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
-    hold_back: int = 64  # the last 64 prompt tokens are read by the target itself (recommended point)
+    hold_back: int = 1  # the last prompt token is read by the target itself (the recommended point: more buys little
+    # once the levers are tuned, and costs time to first token)
     recompute: float = 0.0
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     sink: bool = False
@@ -125,6 +134,12 @@ class FitConfig:
                 or self.mlp_observations < 20:
             raise InputError("--mlp-hidden must be >= 0, --mlp-steps and --mlp-batch >= 1, --mlp-lr > 0, "
                              "--mlp-observations >= 20.")
+        if not 0.0 <= self.repeat_spans <= MAX_SPANS:
+            raise InputError(f"--repeat-spans must be a number from 0 to {MAX_SPANS} (spans a row, on average).")
+        if self.lever_objective not in OBJECTIVES:
+            raise InputError(f"--lever-objective must be {' or '.join(OBJECTIVES)}.")
+        if self.tune_steps < 1 or self.tune_batch < 1 or not self.tune_lr > 0 or self.tune_rows < 2:
+            raise InputError("--tune-steps and --tune-batch must be >= 1, --tune-lr > 0, --tune-rows >= 2.")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
         if self.recompute_by not in CRITERIA:
@@ -147,10 +162,10 @@ class FitConfig:
 
 
 _INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
-         "mlp_steps", "mlp_batch", "mlp_observations", "seed", "hold_back")
+         "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back")
 _OPTIONAL_INTS = ("top_k", "lever_top_k")
-_NUMBERS = ("ridge", "mlp_lr", "recompute")
-_STRINGS = ("lever_inputs", "lever_weighting", "recompute_by")
+_NUMBERS = ("ridge", "mlp_lr", "recompute", "repeat_spans", "tune_lr")
+_STRINGS = ("lever_inputs", "lever_weighting", "lever_objective", "recompute_by")
 
 
 def _check_types(config: FitConfig) -> None:
@@ -383,7 +398,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge, device)
     solve_seconds = time.perf_counter() - solve_start
     levers = plan_levers(config, report, target.info.num_layers, source_hidden_size(source.model))
-    lever_report = {}
+    lever_report, tune_report, tune_seconds = {}, None, None
     if levers and config.lever_top_k is not None:  # levers read fewer source layers: their own selection
         selection = dict(selection)
         for kind in {v.kind for v in levers}:
@@ -403,14 +418,25 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
 
         budget = MLPBudget(steps=config.mlp_steps, batch=config.mlp_batch, lr=config.mlp_lr, seed=config.seed,
                            max_observations=config.mlp_observations)
-        lever_weights, lever_report = fit_levers(source, target, fit_seqs, selection, levers, config.ridge,
+        lever_seqs = repeat_spans(fit_seqs, config.repeat_spans, config.seed, target.tokenizer.all_special_ids)
+        lever_weights, lever_report = fit_levers(source, target, lever_seqs, selection, levers, config.ridge,
                                                  config.lever_stride, config.batch_size, budget, progress,
                                                  config.lever_weighting)
+        if config.lever_objective == "output":
+            from .tune import TuneBudget, tune_levers
+
+            tuning = TuneBudget(steps=config.tune_steps, batch=config.tune_batch, lr=config.tune_lr,
+                                rows=config.tune_rows, seed=config.seed)
+            tune_start = time.perf_counter()
+            lever_weights, tune_report = tune_levers(source, target, lever_seqs, selection, levers, lever_weights,
+                                                     tuning, config.batch_size, progress)
+            tune_seconds = time.perf_counter() - tune_start
         weights.update(lever_weights)
     fit_seconds = time.perf_counter() - start
     run_report = {  # volatile: kept out of mapper.json so that identical fits give identical checksums
         "fit_seconds": round(fit_seconds, 3),
         "solve_seconds": round(solve_seconds, 3),
+        "tune_seconds": None if tune_seconds is None else round(tune_seconds, 3),
         "observations_per_second": round(seen["observations"] / max(seen["seconds"], 1e-9), 1),
         "statistics_gflop_per_second": round(seen["flops"] / max(seen["seconds"], 1e-9) / 1e9, 3),
         "peak_memory_bytes": _peak_memory_bytes(device),
@@ -420,6 +446,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     fit_info = {
         "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
         "levers": lever_report,
+        "tune": tune_report,
         "ridge_scaling": RIDGE_SCALING,
         "observations": seen["observations"],
         "tokens": seen["tokens"],

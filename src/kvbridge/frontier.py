@@ -58,28 +58,36 @@ LAGS = dict(lags=(0, 1, 2), lever_inputs="kv")
 MLP128 = dict(LAGS, mlp_hidden=128)
 MLP256 = dict(LAGS, mlp_hidden=256)
 STATE128 = dict(LAGS, lever_inputs="kvs", mlp_hidden=128)  # + the source's final hidden state at each lag
+# lags + MLP 128, calibrated with repeated spans and tuned on the target's next-token distribution (kvbridge.tune)
+TUNED = dict(MLP128, repeat_spans=0.5, lever_objective="output")
 # every point starts from the plain map: its levers are spelled out, whatever kvbridge fit's defaults are
 PLAIN = dict(lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1, lever_top_k=4,
-             lever_weighting="none", mlp_hidden=0, recompute=0.0, recompute_by="logit", sink=False, hold_back=1)
+             lever_weighting="none", mlp_hidden=0, repeat_spans=0.0, lever_objective="kv", recompute=0.0,
+             recompute_by="logit", sink=False, hold_back=1)
 FIT = FitConfig(num_texts=160, seq_len=1024, stride=2, heldout_texts=4, batch_size=4, mlp_steps=4000, mlp_batch=1024,
                 **PLAIN)
-FULL = FrontierConfig(  # about 9 minutes on 2 CPU cores
+FULL = FrontierConfig(  # about 10 minutes on 2 CPU cores
     fit=FIT,
     points=(
         Point("plain"),
         Point("lags", fit=LAGS),
         Point("lags + MLP 128", fit=MLP128),
-        Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit")),
-        Point("lags + MLP 128 + recompute 5%", fit=MLP128, runtime=dict(recompute=0.05, recompute_by="logit")),
-        Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=dict(recompute=0.1, recompute_by="logit")),
         Point("lags + MLP 128 + hold-back 64", fit=MLP128, runtime=dict(hold_back=64)),
-        Point("lags + state + MLP 128", fit=STATE128),
-        Point("lags + state + MLP 128 + hold-back 64", fit=STATE128, runtime=dict(hold_back=64)),
+        Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=dict(recompute=0.1, recompute_by="logit")),
+        Point("tuned", fit=TUNED),
+        Point("tuned + hold-back 64", fit=TUNED, runtime=dict(hold_back=64)),
+        Point("tuned + recompute 10%", fit=TUNED, runtime=dict(recompute=0.1, recompute_by="logit")),
     ),
 )
-EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the record (about 20 minutes)
+ABLATION = (
+    Point("lags + MLP 128, repeated spans only", fit=dict(MLP128, repeat_spans=0.5)),
+    Point("lags + MLP 128, tuned without repeated spans", fit=dict(MLP128, lever_objective="output")),
+)
+EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the record (about 25 minutes)
     fit=FIT,
     points=FULL.points + (
+        Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit")),
+        Point("lags + MLP 128 + recompute 5%", fit=MLP128, runtime=dict(recompute=0.05, recompute_by="logit")),
         Point("lags + MLP 256", fit=MLP256),
         Point("lags + MLP 128 + hold-back 32", fit=MLP128, runtime=dict(hold_back=32)),
         Point("lags, attention-weighted ridge", fit=dict(LAGS, lever_weighting="attention")),
@@ -89,20 +97,28 @@ EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the
         Point("lags + MLP 128 + recompute 10% by surprisal", fit=MLP128,
               runtime=dict(recompute=0.1, recompute_by="surprisal")),
         Point("lags + MLP 128 + recompute 20%", fit=MLP128, runtime=dict(recompute=0.2, recompute_by="logit")),
-    ),
+        Point("lags + state + MLP 128", fit=STATE128),
+        Point("lags + state + MLP 128 + hold-back 64", fit=STATE128, runtime=dict(hold_back=64)),
+    ) + ABLATION,
+)
+TUNING = FrontierConfig(  # what tuning and the repeated spans each buy (about 12 minutes)
+    fit=FIT,
+    points=(Point("lags + MLP 128", fit=MLP128),) + ABLATION + (Point("tuned", fit=TUNED),),
 )
 QUICK = FrontierConfig(
     fit=FitConfig(num_texts=8, seq_len=256, stride=2, heldout_texts=2, batch_size=8, mlp_steps=20, mlp_batch=256,
                   **PLAIN),
     points=(Point("plain"), Point("lags + MLP", fit=dict(LAGS, mlp_hidden=16)),
+            Point("lags + MLP, tuned", fit=dict(LAGS, mlp_hidden=16, repeat_spans=0.5, lever_objective="output",
+                                                tune_steps=10)),
             Point("plain + recompute 10%", runtime=dict(recompute=0.1, recompute_by="logit"))),
     lengths=(128, 256), items=8, validation_items=4, ttft_trials=3, ttft_warmup=1,
 )
 
 
-GRIDS = {"full": FULL, "extended": EXTENDED, "quick": QUICK}
+GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "quick": QUICK}
 # what `kvbridge frontier` recommended on the family: kvbridge fit's defaults
-RECOMMENDED = "lags + MLP 128 + hold-back 64"
+RECOMMENDED = "tuned"
 
 
 def split_validation(tokenizer, texts: list[str], items: int, length: int) -> tuple[list[str], list[str]]:

@@ -63,32 +63,33 @@ def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tens
 
 
 @torch.no_grad()
+def source_features(source: LoadedModel, ids: torch.Tensor, specs: dict) -> dict:
+    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.mapper.Features` for unpadded
+    sequences ``ids`` (B, T): the source's prefill, read as the mapper reads it."""
+    reads_state = any("state" in spec.inputs for spec in specs.values())
+    sk, sv, _, *state = prefill_content(source.model, ids, torch.ones_like(ids), state=reads_state)
+    kv = kv_features(sk, sv, dtype=torch.promote_types(sk[0].dtype, sv[0].dtype))  # (T, B, 2, Ls, Hs, Ds)
+    hidden_state = state[0].float().transpose(0, 1) if reads_state else None  # (T, B, Hs)
+    out = {}
+    for key, spec in specs.items():
+        sources = torch.tensor(spec.sources, device=kv.device)
+        x = build_features(kv, hidden_state, spec, sources, None, 0)  # (T·B, F_in), token-major
+        out[key] = x.view(*kv.shape[:2], -1).transpose(0, 1)  # (B, T, F_in)
+    return out
+
+
+@torch.no_grad()
 def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tensor, specs: dict, positions,
                        weighted: bool = False):
     """(x, y, weight or None) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
-    mask = torch.ones_like(ids)
-    reads_state = any("state" in spec.inputs for spec in specs.values())
-    sk, sv, _, *state = prefill_content(source.model, ids, mask, state=reads_state)
-    hidden: dict[int, torch.Tensor] = {}
-    hooks = []
-    if weighted:
-        layers = target.model.get_decoder().layers
-        hooks = [layers[j].register_forward_pre_hook(
-            lambda m, a, kw, j=j: hidden.__setitem__(j, (a or (kw["hidden_states"],))[0]), with_kwargs=True)
-            for j in {layer for _, layer in specs}]
-    try:
-        tk, tv, pos = prefill_content(target.model, ids, mask)
-    finally:
-        for h in hooks:
-            h.remove()
-    kv = kv_features(sk, sv, dtype=torch.promote_types(sk[0].dtype, sv[0].dtype))  # (T, B, 2, Ls, Hs, Ds)
-    hidden_state = state[0].float().transpose(0, 1) if reads_state else None  # (T, B, Hs)
+    from .models import layer_inputs
+
+    features = source_features(source, ids, specs)
+    with layer_inputs(target.model, {layer for _, layer in specs} if weighted else ()) as hidden:
+        tk, tv, pos = prefill_content(target.model, ids, torch.ones_like(ids))
     native = {"key": tk, "value": tv}
     out = {}
-    for (kind, layer), spec in specs.items():
-        sources = torch.tensor(spec.sources, device=kv.device)
-        x = build_features(kv, hidden_state, spec, sources, None, 0)  # (T·B, F_in), token-major
-        x = x.view(*kv.shape[:2], -1).transpose(0, 1)  # (B, T, F_in)
+    for (kind, layer), x in features.items():
         y = native[kind][layer].transpose(1, 2).flatten(2)  # (B, T, Ft)
         w = None
         if weighted:

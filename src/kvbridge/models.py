@@ -439,3 +439,85 @@ def attention_queries(model, hidden: torch.Tensor, layer: int, cos, sin, positio
     q = apply_rope(q.transpose(1, 2).float(), cos, sin)
     scale = query_scale(model, positions)
     return q if scale is None else q * scale.to(q.device)
+
+
+@contextlib.contextmanager
+def layer_inputs(model, layers):
+    """``with layer_inputs(model, layers) as hidden:`` after a forward pass inside the block, ``hidden[j]``
+    holds the hidden states (B, T, hidden) that entered decoder layer ``j``, for each ``j`` in ``layers``."""
+    blocks = model.get_decoder().layers
+    hidden: dict[int, torch.Tensor] = {}
+
+    def keep(j):
+        def hook(module, args, kwargs):
+            hidden[j] = (args or (kwargs["hidden_states"],))[0]
+        return hook
+
+    hooks = [blocks[j].register_forward_pre_hook(keep(j), with_kwargs=True) for j in set(layers)]
+    try:
+        yield hidden
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def decoder_layer(model, layer: int, hidden: torch.Tensor, cos, sin, positions, keys: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None) -> torch.Tensor:
+    """Hidden states (B, T, hidden) leaving decoder ``layer`` of an unpadded batch, computed by hand with causal
+    attention, so that content ``keys`` / ``values`` (B, H, T, D, before RoPE) can replace the layer's own
+    and gradients reach them. The formula of Llama-style layers (Mistral, Ministral-3, Qwen3)::
+
+        h = x + o_proj(attention(norm₁(x)));  out = h + mlp(norm₂(h))
+
+    :func:`check_decoder_layers` tells whether a model's layers follow it.
+    """
+    import torch.nn.functional as F
+
+    from .rope import apply_rope
+
+    block = model.get_decoder().layers[layer]
+    attn = block.self_attn
+    q = attention_queries(model, hidden, layer, cos, sin, positions)  # (B, H, T, D) float32
+    if keys is None or values is None:
+        x = block.input_layernorm(hidden)
+        shape = (*x.shape[:2], -1, attn.head_dim)
+        if keys is None:
+            keys = attn.k_proj(x).view(shape)
+            keys = (attn.k_norm(keys) if hasattr(attn, "k_norm") else keys).transpose(1, 2)
+        if values is None:
+            values = attn.v_proj(x).view(shape).transpose(1, 2)
+    k = apply_rope(keys.float(), cos, sin)
+    groups = q.shape[1] // k.shape[1]
+    scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), values.float().repeat_interleave(groups, 1),
+                                       is_causal=True, scale=scale)
+    h = hidden + attn.o_proj(o.transpose(1, 2).flatten(2).to(hidden.dtype))
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
+def next_token_logprobs(model, hidden: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) float32 log-probabilities from the hidden states leaving the last decoder layer (before the
+    decoder's final norm)."""
+    return torch.log_softmax(logits_from_hidden(model, model.get_decoder().norm(hidden)).float(), -1)
+
+
+@torch.no_grad()
+def check_decoder_layers(model, ids: torch.Tensor, first: int, tolerance: float) -> float:
+    """The mean KL divergence per token from ``model``'s own next-token distribution on ``ids`` (B, T) to that
+    of :func:`decoder_layer` run from layer ``first`` on; raises ``UnsupportedModelError`` above ``tolerance``."""
+    from .rope import rotary_factors
+
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    with layer_inputs(model, (first,)) as captured:
+        own = torch.log_softmax(model(input_ids=ids, position_ids=positions).logits.float(), -1)
+    cos, sin = rotary_factors(model, positions)
+    h = captured[first]
+    for j in range(first, len(model.get_decoder().layers)):
+        h = decoder_layer(model, j, h, cos, sin, positions)
+    gap = float((own.exp() * (own - next_token_logprobs(model, h))).sum(-1).mean())  # mean KL per token
+    if not gap <= tolerance:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s decoder layers do not follow the formula kvbridge tunes levers through "
+            f"(its next-token distributions differ by a KL of {gap:.3g} nats a token, more than {tolerance:g}); "
+            "fit with --lever-objective kv.")
+    return gap

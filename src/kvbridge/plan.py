@@ -21,6 +21,10 @@ Fit phases (see :mod:`kvbridge.stats` and :func:`kvbridge.fit.fit_mapper`):
   device: a lever's G and its factor.
 * lever MLP — host: the sample three times (collected, concatenated, standardised) and a training step
   (the lever's statistics are freed by then): the MLP trains in host memory.
+* lever tune (``--lever-objective output``) — host: the tuning rows' lever features and the hidden states
+  entering the first lever layer (model dtype); device: one step's lever maps with their gradients, one
+  layer's activations and the input of every layer it runs (from the first lever layer on; all of them
+  when the fit picks the layers: they are checkpointed), the native and mapped log-probabilities.
 * mapper — host: the float32 weights, twice while the group operands are concatenated.
 
 The fit's peak on its device is the largest phase; on CPU host and device are one memory and add up.
@@ -223,9 +227,28 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) ->
             phases.append(Phase("lever MLP", 3 * sample + weights + step, 0,  # its statistics are freed by then
                                 {"sample, concatenated, standardised (host)": 3 * sample,
                                  "one training step (host)": step}))
+        if config.lever_objective == "output":
+            phases.append(_tune_phase(config, source, target, levers, weights, itemsize))
     params = mapper_parameters(source, target, config)
     phases.append(Phase("mapper", 2 * params * F32, 0, {"float32 weights, concatenated once": 2 * params * F32}))
     return phases
+
+
+def _tune_phase(config, source: ModelShape, target: ModelShape, levers: list[tuple[int, int]], weights: int,
+                itemsize: int) -> Phase:
+    """Tuning the levers (:mod:`kvbridge.tune`): rows and features in host memory, a step's graph on the device."""
+    rows = min(config.tune_rows, config.num_texts)
+    held = rows * config.seq_len * (sum(w for w, _ in levers) + target.hidden) * itemsize
+    tokens = min(config.tune_batch, rows) * config.seq_len
+    # layers the step runs: from the first lever layer on (unknown before the fit picks them: all, at most)
+    layers = target.layers - (min(config.lever_layers) if config.lever_layers else 0)
+    maps = tokens * sum(2 * w + 3 * h + 2 * target.kv_features for w, h in levers) * F32
+    # a layer's activations, kept for the backward pass; through several, checkpointed: their inputs and one layer's
+    graph = target.activations(tokens, F32) + (layers * tokens * target.hidden * F32 if layers > 1 else 0)
+    logprobs = 4 * tokens * target.vocab * F32  # native and mapped log-probabilities, their gap, its gradient
+    return Phase("lever tune", held + weights, maps + graph + logprobs,
+                 {"rows' features and hidden states (host)": held, "lever maps with gradients": maps,
+                  "activations kept for the backward pass": graph, "log-probabilities": logprobs})
 
 
 def _levers(config, source: ModelShape, target: ModelShape) -> list[tuple[int, int]]:

@@ -3,13 +3,15 @@
 ``read_texts`` takes ``.txt`` (one text per non-empty line) or ``.jsonl`` (a ``text`` field per line),
 UTF-8, and names the file and line of anything it cannot read. ``calibration_sequences`` packs texts
 end to end into (N, T) windows that start with BOS; ``split_heldout_documents`` keeps whole documents
-out of the fit for the held-out R².
+out of the fit for the held-out R²; ``repeat_spans`` writes a span into some windows twice, so that the
+levers also calibrate on text the target can only predict by reading its context.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import random
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -110,3 +112,47 @@ def split_heldout_documents(tokenizer, texts: list[str], num_sequences: int, seq
         raise InputError(f"the texts are too few to hold out {num_sequences} sequences of {seq_len} tokens in "
                          "documents of their own; pass more texts, or lower --heldout-texts (0 skips held-out R²).")
     return list(texts[:cut]), list(texts[cut:])
+
+
+SPAN_TOKENS = (8, 32)  # shortest and longest repeated span
+MAX_SPANS = 16  # repeated spans a row, on average, at most
+
+
+def repeat_spans(sequences: torch.Tensor, per_row: float, seed: int = 0, special: Iterable[int] = ()) -> torch.Tensor:
+    """A copy of ``sequences`` (N, T) in which rows hold spans written twice, ``per_row`` spans a row on average.
+
+    A row gets ⌊per_row⌋ spans, and one more with probability per_row − ⌊per_row⌋ (seeded). A span of 8 to 32
+    tokens overwrites a stretch of the row's first half and again a stretch of its second half (never the
+    first column, which holds BOS). Half of the spans are a stretch of another row; half are tokens drawn one
+    by one from the rows' own token distribution (``special`` ids excluded), text no model could predict.
+    Either way the second occurrence is what only the first one explains, as in a document that repeats a
+    name, a number or a line. Calibration text rarely does this, yet in-context recall lives in exactly these
+    tokens' keys (the previous-token keys an induction head matches). ``per_row`` 0 returns the rows unchanged.
+    """
+    if not 0.0 <= per_row <= MAX_SPANS:
+        raise InputError(f"repeated spans per row must be a number from 0 to {MAX_SPANS}, not {per_row}.")
+    n, t = sequences.shape
+    if per_row == 0 or t < 2 * SPAN_TOKENS[0] + 2:
+        return sequences
+    rng = random.Random(seed)
+    skip = torch.tensor(sorted(set(int(i) for i in special)), dtype=sequences.dtype)
+    pool = sequences[:, 1:].flatten()
+    pool = pool[~torch.isin(pool, skip)] if skip.numel() else pool
+    if pool.numel() == 0:
+        pool = sequences.flatten()
+    out = sequences.clone()
+    half = t // 2
+    whole, part = int(per_row), per_row - int(per_row)
+    for i in range(n):
+        for _ in range(whole + (rng.random() < part)):
+            length = rng.randint(SPAN_TOKENS[0], min(SPAN_TOKENS[1], half - 1))
+            if n > 1 and rng.random() < 0.5:
+                j = (i + 1 + rng.randrange(n - 1)) % n
+                at = rng.randrange(1, t - length + 1)
+                span = sequences[j, at : at + length]
+            else:
+                span = pool[torch.tensor([rng.randrange(pool.numel()) for _ in range(length)])]
+            first, second = rng.randrange(1, half - length + 1), rng.randrange(half, t - length + 1)
+            out[i, first : first + length] = span
+            out[i, second : second + length] = span
+    return out
