@@ -229,8 +229,8 @@ def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
     from kvbridge.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
-    mapper = fit_mapper(source, target, read_texts(tiny_pair[2]), FitConfig(num_texts=8, seq_len=48, heldout_texts=0, tune_steps=20),
-                        progress=False)
+    config = FitConfig(num_texts=8, seq_len=48, heldout_texts=0, tune_steps=20)
+    mapper = fit_mapper(source, target, read_texts(tiny_pair[2]), config, progress=False)
     continuations = [" and keyword arguments.", " is useful", " returns it"]
     # hold-back 4 is below every prompt's length here; a longer one would shrink to the batch's shortest prompt
     for bridge in (Bridge(source, target, mapper, hold_back=1), Bridge(source, target, mapper, hold_back=4)):
