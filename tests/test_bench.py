@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import model_info
 
-from kvbridge.bench import map_flops, prefill_flops
+from kvbridge.bench import map_flops, path_flops, prefill_flops, recompute_flops
 from kvbridge.cli import main
 from kvbridge.mapper import Mapper, MapperConfig
 from kvbridge.rope import RopeSpec
@@ -29,6 +29,17 @@ def test_prefill_flops_match_a_hand_count():
     assert (prefill_flops(SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 2}), t, 0)
             == 2 * (q + k + v + o + mlp + attn))
 
+
+
+def test_recompute_flops_skip_the_last_layers_attention_and_mlp():
+    """n recomputed queries over a prefix: every layer but the last in full, the last one's K and V only."""
+    cfg = SimpleNamespace(hidden_size=4, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=2, intermediate_size=8, vocab_size=10)
+    n, prefix = 2, 5
+    one = SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 1})
+    full_layer = prefill_flops(one, n, 0, past=prefix - n)
+    kv = 2 * (2 * n * 4 * (1 * 2))  # d → Hkv·hd, keys and values
+    assert recompute_flops(cfg, n, prefix) == pytest.approx(2 * full_layer + kv)
 
 def test_map_flops_match_a_hand_count():
     rope = RopeSpec("llama", "default", 4)
@@ -110,6 +121,29 @@ def test_real_geometry_matches_the_published_artifact():
     # the map is close to a quarter of the 8B's own per-token prefill work
     assert 0.2 < per_token_map / prefill_flops(large, 1, 0) < 0.3
 
+
+
+def test_mapped_path_flops_add_up_its_parts():
+    """Source prefill of T − m tokens, the map, the recompute of ceil(r·(T − m)) tokens, the m held-back tokens."""
+    src = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=2, intermediate_size=8, vocab_size=10)
+    tgt = SimpleNamespace(**{**vars(src), "num_hidden_layers": 2, "hidden_size": 6})
+    rope = RopeSpec("llama", "default", 2)
+    config = MapperConfig(source=model_info("s", 1, 1, 2, rope=rope, max_positions=64, architecture="S", tokenizer="t"),
+                          target=model_info("t", 2, 1, 2, rope=rope, max_positions=64, architecture="T", tokenizer="t"),
+                          selection={k: ((0,), (0,)) for k in ("key", "value")})
+    base = prefill_flops(src, 18, 0) + map_flops(config, 18) + prefill_flops(tgt, 2, 1, past=18)
+    assert path_flops(src, tgt, config, 20, hold_back=2) == base
+    assert path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1) == base + recompute_flops(tgt, 2, 18)
+    surprisal = path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1, recompute_by="surprisal")
+    assert surprisal - path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1) == 2 * 18 * 4 * 10
+
+
+def test_the_plan_prints_the_ttft_limit_of_the_defaults_at_the_published_geometry():
+    from kvbridge.bench_real import plan_table
+
+    table = plan_table()
+    assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (levers, recompute" in table
 
 def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):
     """`python -m kvbridge.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""

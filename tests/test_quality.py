@@ -77,6 +77,20 @@ def test_recomputing_every_token_gives_the_native_cache(bridge, prompts):
     assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in native_scores], abs=1e-4)
 
 
+
+def test_recompute_stops_after_the_last_layers_keys_and_values(bridge):
+    """The recomputed tokens' last-layer attention and MLP feed nothing: they do not run; the layers before do."""
+    layers = bridge.target.model.get_decoder().layers
+    calls = {0: 0, len(layers) - 1: 0}
+    hooks = [layers[j].mlp.register_forward_hook(lambda *a, j=j: calls.__setitem__(j, calls[j] + 1)) for j in calls]
+    try:
+        ids, mask = bridge.encode(["def read(path):\n    with open(path) as handle:\n        return"])
+        Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.5).mapped_cache(ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls == {0: 1, len(layers) - 1: 0}
+
 def test_recompute_picks_the_sources_most_surprising_tokens():
     from kvbridge.recompute import choose_columns
 
@@ -84,6 +98,10 @@ def test_recompute_picks_the_sources_most_surprising_tokens():
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     assert choose_columns(scores, mask, 0.3, sink=False).tolist() == [[2, 4], [3, 5]]
     assert choose_columns(scores, mask, 0.0, sink=True).tolist() == [[2], [0]]  # the first real token
+    # each row gets its own share, as alone: 1 of 2 real tokens, 3 of 6; the short row's surplus is pads
+    short = torch.tensor([[0, 0, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]])
+    picks = choose_columns(scores, short, 0.5, sink=False).tolist()
+    assert picks[1] == [1, 3, 5] and [c for c in picks[0] if short[0, c]] == [4] and len(set(picks[0])) == 3
 
 
 def test_frontier_quick_writes_its_three_files(tmp_path, capsys):

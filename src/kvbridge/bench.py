@@ -103,20 +103,37 @@ def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
     return 2.0 * tokens * sum(s[0] * s[1] for n, s in config.weight_shapes().items() if n.endswith(".weight"))
 
 
+def recompute_flops(config, n: int, prefix: int) -> float:
+    """FLOPs of the target's recompute of ``n`` of ``prefix`` tokens (:mod:`kvbridge.recompute`): a forward
+    of ``n`` queries over the whole prefix (at most) through every layer but the last, and the last layer's
+    key and value projections only."""
+    layers, d = config.num_hidden_layers, config.hidden_size
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    return prefill_flops(config, n, 0, past=prefix - n) * (layers - 1) / layers + 2.0 * n * d * kv * hd * 2
+
+
 def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
+    """FLOPs of a bridge's mapped path to the first token (:func:`path_flops` with its models and options)."""
+    return batch * path_flops(bridge.source.model.config, bridge.target.model.config, bridge.mapper, tokens,
+                              bridge.hold_back, bridge.recompute if bridge.selects_tokens else 0.0, bridge.sink,
+                              bridge.recompute_by)
+
+
+def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, tokens: int, hold_back: int = 1,
+               recompute: float = 0.0, sink: bool = False, recompute_by: str = "logit") -> float:
     """FLOPs of the mapped path to the first token: source prefill of T − m tokens (with its logits when the
     recompute criterion is the source's surprisal), the map, the target's recompute of the chosen tokens and
-    its forward over the m held-back tokens with the last token's logits."""
-    m = min(bridge.hold_back, tokens - 1)
+    its forward over the m held-back tokens with the last token's logits. Configs only: a plan needs no
+    weights."""
+    m = min(hold_back, tokens - 1)
     prefix = tokens - m
-    src, tgt = bridge.source.model.config, bridge.target.model.config
-    source_logits = prefix if bridge.selects_tokens and bridge.recompute_by == "surprisal" else 0
-    flops = prefill_flops(src, prefix, source_logits) + map_flops(bridge.mapper, prefix)
-    if bridge.selects_tokens:
-        n = max(math.ceil(bridge.recompute * prefix), int(bridge.sink))
-        flops += prefill_flops(tgt, n, 0, past=prefix - n)  # n queries over the whole prefix, at most
-    flops += prefill_flops(tgt, m, 1, past=prefix)
-    return batch * flops
+    selects = recompute > 0 or sink
+    source_logits = prefix if selects and recompute_by == "surprisal" else 0
+    flops = prefill_flops(source_config, prefix, source_logits) + map_flops(mapper, prefix)
+    if selects:
+        flops += recompute_flops(target_config, max(math.ceil(recompute * prefix), int(sink)), prefix)
+    return flops + prefill_flops(target_config, m, 1, past=prefix)
 
 
 # -- timing ------------------------------------------------------------------------------------

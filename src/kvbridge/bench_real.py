@@ -153,6 +153,28 @@ def plan_table() -> str:
                      f"{f / per_token_8b:.3f} |")
         if levers:
             lines.append(f"| levers: {', '.join(str(v.to_dict()) for v in config.levers)} | | | | | |")
+    lines += ["", ttft_limit_table(source, target, configs)]
+    return "\n".join(lines)
+
+
+def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
+    """The TTFT speed-up limit (a native prefill's FLOPs ÷ the mapped path's) at the published geometry, for
+    the plain map and for kvbridge fit's defaults (levers, selective recompute, hold-back)."""
+    from .bench import path_flops, prefill_flops
+    from .fit import FitConfig
+
+    d = FitConfig()
+    src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
+    rows = (("plain (the published artifact's)", False, dict(hold_back=1)),
+            (f"kvbridge fit's defaults (levers, recompute {d.recompute:g} by {d.recompute_by}, hold-back "
+             f"{d.hold_back})", True, dict(hold_back=d.hold_back, recompute=d.recompute, sink=d.sink,
+                                              recompute_by=d.recompute_by)))
+    lines = ["| Mapped path at the Ministral-3 3B→8B geometry | " + " | ".join(
+        f"TTFT FLOP limit @{n:,}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for label, levers, options in rows:
+        config = published_config(source, target, levers, src.hidden_size)
+        limits = [prefill_flops(tgt, n, 1) / path_flops(src, tgt, config, n, **options) for n in lengths]
+        lines.append(f"| {label} | " + " | ".join(f"{x:.2f}×" for x in limits) + " |")
     return "\n".join(lines)
 
 

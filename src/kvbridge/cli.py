@@ -102,8 +102,9 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                    help=f"seed of the MLP training, the repeated spans and the tuning (default: {d.seed})")
     r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
     r.add_argument("--recompute", type=float, default=d.recompute,
-                   help=f"fraction of prefix tokens the target recomputes over the mapped cache, chosen by the "
-                        f"source's surprisal (default: {d.recompute})")
+                   help=f"fraction of prefix tokens the target recomputes over the mapped cache, those the "
+                        f"source found least predictable (see --recompute-by); 0 turns it off (default: "
+                        f"{d.recompute})")
     r.add_argument("--recompute-by", choices=CRITERIA, default=d.recompute_by,
                    help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
                         "projection), minus the source's logit of each token (one dot product a token), or a bigram "
@@ -238,11 +239,11 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
-    fr.add_argument("--grid", choices=["full", "extended", "tuning", "quick"], default="full",
+    fr.add_argument("--grid", choices=["full", "extended", "tuning", "values", "quick"], default="full",
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
-                         "that did not make it, for the record (about 35 minutes); tuning: what tuning on the "
-                         "target's output and the repeated spans each buy (about 12 minutes); quick: a smoke test "
-                         "(default: full)")
+                         "that did not make it, for the record (about 40 minutes); tuning: what tuning on the "
+                         "target's output and the repeated spans each buy (about 12 minutes); values: what a lever "
+                         "on the same layer's values buys (about 10 minutes); quick: a smoke test (default: full)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "

@@ -5,9 +5,10 @@ Letters: B batch, T prefix columns (left-padded), n recomputed tokens per row, H
 In the spirit of CacheBlend (Yao et al., 2024): after the mapper has built the target's cache, the
 target runs one forward pass over ``n`` chosen prefix tokens, at their own positions, attending to
 the mapped K/V of every other earlier token and to the fresh K/V of the chosen earlier tokens. Their
-fresh K/V, layer by layer, then replace the mapped ones. The cost is that of a target forward over
-``n`` tokens (a fraction of a native prefill); with every token chosen the result is the native cache
-exactly.
+fresh K/V, layer by layer, replace the mapped ones (written in place in a copy of the cache, so the
+chosen tokens attend over T columns, not T + n). The cost is that of a target forward over ``n``
+tokens without the last layer's attention and MLP, whose output nothing reads (a fraction of a native
+prefill); with every token chosen the result is the native cache exactly.
 
 Which tokens: the least predictable ones — spans that only the context can explain, such as names,
 numbers or a sequence to be recalled later, are where a mapped key that is slightly off costs most.
@@ -27,11 +28,9 @@ The row's first token (the attention sink) is always kept when ``sink`` is set.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .models import cache_kv, cache_of, logits_from_hidden, make_cache, with_cache
+from .models import cache_kv, logits_from_hidden, make_cache, with_cache
 
 CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
@@ -92,50 +91,83 @@ def negative_logit(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, sink: bool) -> torch.Tensor:
     """(B, n) sorted columns to recompute: the top ``fraction`` of each row's real tokens by ``scores``.
 
-    ``n`` is the same for every row (ceil of the fraction of the widest row); a shorter row fills its
-    surplus with pad columns, which nothing attends to.
+    Each row gets ceil(fraction × its own real tokens) real picks (at least its sink when ``sink`` is set),
+    as it would alone; ``n`` is the widest row's count, and a row with fewer fills its surplus with pad
+    columns, which nothing attends to (a shorter row has at least as many pads as it needs).
     """
     mask = mask.to(scores.device)
     real = mask.sum(-1)  # (B,)
-    n = min(max(int(math.ceil(fraction * int(real.max()))), int(sink)), mask.shape[1])
+    counts = torch.clamp(torch.ceil(fraction * real.double()).long(), min=int(sink)).minimum(real)  # (B,)
+    n = min(int(counts.max()), mask.shape[1])
     ranked = scores.float().masked_fill(mask == 0, float("-inf"))
     if sink:  # each row's first real token: the column where the mask turns on
         first = (mask.cumsum(-1) == 1) & (mask == 1)
         ranked = ranked.masked_fill(first, float("inf"))
-    return torch.topk(ranked, n, dim=-1).indices.sort(dim=-1).values
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    places = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, places)  # each column's place in its row's ranking
+    picked = (rank < counts[:, None]) & (mask == 1)
+    # picked real tokens first, then pad columns, never a real token beyond the row's own count
+    priority = torch.where(picked, 2, torch.where(mask == 0, 1, 0))
+    return torch.topk(priority, n, dim=-1, sorted=True).indices.sort(dim=-1).values
+
+
+class _LastLayerDone(Exception):
+    """Raised by the last layer's cache once it holds its fresh K/V: the rest of the forward is not needed."""
+
+
+def _scatter_layer(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, last: bool):
+    """A transformers cache layer over a copy of the mapped ``keys``/``values`` (B, H, T, D) whose update writes
+    the fresh K/V of the recomputed tokens at their columns (``index`` (B, 1, n, 1)) instead of appending
+    them, and returns the whole layer; on the ``last`` layer it then stops the forward."""
+    from transformers.cache_utils import DynamicLayer
+
+    class ScatterLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            at = index.expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+            self.keys.scatter_(2, at, key_states.to(self.keys.dtype))
+            self.values.scatter_(2, at, value_states.to(self.values.dtype))
+            if last:
+                raise _LastLayerDone
+            return self.keys, self.values
+
+    layer = ScatterLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys.clone(), values.clone()
+    return layer
 
 
 @torch.no_grad()
 def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                       columns: torch.Tensor):
-    """A new cache equal to ``cache`` except at ``columns`` (B, n), whose K/V ``model`` recomputes over it."""
+    """A new cache equal to ``cache`` except at ``columns`` (B, n), whose K/V ``model`` recomputes over it.
+
+    Layer by layer, the fresh K/V of the chosen tokens are written over their mapped ones in a copy of the
+    cache before the chosen tokens attend: each attends to every real column at or before its position,
+    which then holds the mapped K/V of the other tokens and the fresh K/V of the chosen ones (itself
+    included). The last layer stops once its K/V are written: its attention and MLP feed nothing.
+    """
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
-    b, t = ids.shape
-    n = columns.shape[1]
     ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
     keys, values = cache_kv(cache)
-    chosen = torch.zeros(b, t, dtype=torch.bool, device=device).scatter_(1, columns, True)  # (B, T)
     q_pos = positions.gather(1, columns)  # (B, n)
     q_real = mask.gather(1, columns).bool()  # (B, n): surplus picks of short rows are pads
-    # a chosen token attends to earlier mapped tokens that are not being replaced ...
-    old = (mask.bool() & ~chosen)[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None])  # (B, n, T)
-    # ... and to the fresh K/V of chosen tokens at or before its position (itself included)
-    new = (q_real[:, None, :] & (q_pos[:, None, :] <= q_pos[:, :, None])) | torch.eye(n, dtype=torch.bool,
-                                                                                       device=device)[None]
-    allowed = torch.cat([old & q_real[:, :, None], new], dim=-1)[:, None]  # (B, 1, n, T + n)
+    allowed = mask.bool()[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None]) & q_real[:, :, None]  # (B, n, T)
+    allowed.scatter_(2, columns[:, :, None], True)  # a pad pick attends to itself: no row is all masked
     dtype = next(model.parameters()).dtype  # an additive mask: eager attention adds it, SDPA takes it as is
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    work = make_cache(model, keys, values)  # updating it concatenates: the mapped tensors stay as they are
-    out = model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
-                              **with_cache(work), use_cache=True)
-    fresh_k, fresh_v = cache_kv(cache_of(out))
+    bias = torch.zeros(allowed[:, None].shape, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
+                                                                                        torch.finfo(dtype).min)
+    work = DynamicCache(config=model.config)
     index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
-    new_k, new_v = [], []
-    for k, v, fk, fv in zip(keys, values, fresh_k, fresh_v):
-        idx = index.expand(-1, k.shape[1], -1, k.shape[3])
-        new_k.append(k.scatter(2, idx, fk[:, :, t:].to(k.dtype)))  # (B, H, T, D)
-        new_v.append(v.scatter(2, idx, fv[:, :, t:].to(v.dtype)))
-    return make_cache(model, new_k, new_v)
+    work.layers = [_scatter_layer(k, v, index, last=i == len(keys) - 1) for i, (k, v) in enumerate(zip(keys, values))]
+    try:
+        model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
+                            **with_cache(work), use_cache=True)
+    except _LastLayerDone:
+        pass
+    return make_cache(model, [layer.keys for layer in work.layers], [layer.values for layer in work.layers])
 
 
 @torch.no_grad()
