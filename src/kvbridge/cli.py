@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
                          "that did not make it, for the record (about 40 minutes); tuning: what tuning on the "
                          "target's output and the repeated spans each buy (about 12 minutes); values: what a lever "
-                         "on the same layer's values buys (about 10 minutes); quick: a smoke test (default: full)")
+                         "on the same layer's values buys (about 11 minutes); quick: a smoke test (default: full)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "

@@ -117,7 +117,7 @@ TUNING = FrontierConfig(  # what tuning and the repeated spans each buy (about 1
     points=(Point("lags + MLP 128", fit=MLP128),) + ABLATION + (Point("tuned", fit=TUNED),),
 )
 VALUE_LEVER = FrontierConfig(  # what a lever on the values of the same layer buys, alone and beside recompute
-    fit=FIT,  # (about 9 minutes)
+    fit=FIT,  # (about 11 minutes)
     points=(Point("tuned", fit=TUNED), Point("tuned + recompute 5%", fit=TUNED, runtime=RECOMPUTE[0.05])) + VALUES,
 )
 QUICK = FrontierConfig(
