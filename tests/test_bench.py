@@ -30,7 +30,6 @@ def test_prefill_flops_match_a_hand_count():
             == 2 * (q + k + v + o + mlp + attn))
 
 
-
 def test_recompute_flops_skip_the_last_layers_attention_and_mlp():
     """n recomputed queries over a prefix: every layer but the last in full, the last one's K and V only."""
     cfg = SimpleNamespace(hidden_size=4, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
@@ -40,6 +39,7 @@ def test_recompute_flops_skip_the_last_layers_attention_and_mlp():
     full_layer = prefill_flops(one, n, 0, past=prefix - n)
     kv = 2 * (2 * n * 4 * (1 * 2))  # d → Hkv·hd, keys and values
     assert recompute_flops(cfg, n, prefix) == pytest.approx(2 * full_layer + kv)
+
 
 def test_map_flops_match_a_hand_count():
     rope = RopeSpec("llama", "default", 4)
@@ -122,7 +122,6 @@ def test_real_geometry_matches_the_published_artifact():
     assert 0.2 < per_token_map / prefill_flops(large, 1, 0) < 0.3
 
 
-
 def test_mapped_path_flops_add_up_its_parts():
     """Source prefill of T − m tokens, the map, the recompute of ceil(r·(T − m)) tokens, the m held-back tokens."""
     src = SimpleNamespace(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -144,6 +143,7 @@ def test_the_plan_prints_the_ttft_limit_of_the_defaults_at_the_published_geometr
 
     table = plan_table()
     assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (levers, recompute" in table
+
 
 def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):
     """`python -m kvbridge.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""

@@ -77,7 +77,6 @@ def test_recomputing_every_token_gives_the_native_cache(bridge, prompts):
     assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in native_scores], abs=1e-4)
 
 
-
 def test_recompute_stops_after_the_last_layers_keys_and_values(bridge):
     """The recomputed tokens' last-layer attention and MLP feed nothing: they do not run; the layers before do."""
     layers = bridge.target.model.get_decoder().layers
@@ -90,6 +89,7 @@ def test_recompute_stops_after_the_last_layers_keys_and_values(bridge):
         for h in hooks:
             h.remove()
     assert calls == {0: 1, len(layers) - 1: 0}
+
 
 def test_recompute_picks_the_sources_most_surprising_tokens():
     from kvbridge.recompute import choose_columns

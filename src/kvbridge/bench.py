@@ -73,6 +73,14 @@ def device_name(device: torch.device) -> str:
 
 
 # -- FLOP accounting ---------------------------------------------------------------------------
+def attention_widths(config) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of a decoder config (kv heads default to the query heads, the head
+    dim to hidden size ÷ heads)."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) -> float:
     """Multiply-add FLOPs (×2) of a decoder forward over ``tokens`` new tokens after ``past`` cached ones.
 
@@ -82,9 +90,7 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
     decoder-only source prefill).
     """
     d, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or d // heads
+    heads, kv, hd = attention_widths(config)
     proj = d * heads * hd * 2 + d * kv * hd * 2  # q and o, k and v
     mlp = 3 * d * config.intermediate_size
     linear = 2.0 * tokens * layers * (proj + mlp)
@@ -108,16 +114,14 @@ def recompute_flops(config, n: int, prefix: int) -> float:
     of ``n`` queries over the whole prefix (at most) through every layer but the last, and the last layer's
     key and value projections only."""
     layers, d = config.num_hidden_layers, config.hidden_size
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    hd = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    _, kv, hd = attention_widths(config)
     return prefill_flops(config, n, 0, past=prefix - n) * (layers - 1) / layers + 2.0 * n * d * kv * hd * 2
 
 
 def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
     """FLOPs of a bridge's mapped path to the first token (:func:`path_flops` with its models and options)."""
     return batch * path_flops(bridge.source.model.config, bridge.target.model.config, bridge.mapper, tokens,
-                              bridge.hold_back, bridge.recompute if bridge.selects_tokens else 0.0, bridge.sink,
-                              bridge.recompute_by)
+                              bridge.hold_back, bridge.recompute, bridge.sink, bridge.recompute_by)
 
 
 def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, tokens: int, hold_back: int = 1,

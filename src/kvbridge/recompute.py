@@ -28,6 +28,8 @@ The row's first token (the attention sink) is always kept when ``sink`` is set.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .models import cache_kv, logits_from_hidden, make_cache, with_cache
@@ -116,25 +118,28 @@ class _LastLayerDone(Exception):
     """Raised by the last layer's cache once it holds its fresh K/V: the rest of the forward is not needed."""
 
 
-def _scatter_layer(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, last: bool):
-    """A transformers cache layer over a copy of the mapped ``keys``/``values`` (B, H, T, D) whose update writes
-    the fresh K/V of the recomputed tokens at their columns (``index`` (B, 1, n, 1)) instead of appending
-    them, and returns the whole layer; on the ``last`` layer it then stops the forward."""
+@functools.cache
+def _scatter_layer_class():
+    """A transformers cache layer over a copy of the mapped K/V (B, H, T, D) whose update writes the fresh K/V
+    of the recomputed tokens at their columns (``index`` (B, 1, n, 1)) instead of appending them, and returns
+    the whole layer; on the ``last`` layer it then stops the forward. Built once, on first use."""
     from transformers.cache_utils import DynamicLayer
 
     class ScatterLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, last: bool):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values, self.index, self.last = keys.clone(), values.clone(), index, last
+
         def update(self, key_states, value_states, *args, **kwargs):
-            at = index.expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
+            at = self.index.expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
             self.keys.scatter_(2, at, key_states.to(self.keys.dtype))
             self.values.scatter_(2, at, value_states.to(self.values.dtype))
-            if last:
+            if self.last:
                 raise _LastLayerDone
             return self.keys, self.values
 
-    layer = ScatterLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys.clone(), values.clone()
-    return layer
+    return ScatterLayer
 
 
 @torch.no_grad()
@@ -161,7 +166,8 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
                                                                                         torch.finfo(dtype).min)
     work = DynamicCache(config=model.config)
     index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
-    work.layers = [_scatter_layer(k, v, index, last=i == len(keys) - 1) for i, (k, v) in enumerate(zip(keys, values))]
+    layer = _scatter_layer_class()
+    work.layers = [layer(k, v, index, last=i == len(keys) - 1) for i, (k, v) in enumerate(zip(keys, values))]
     try:
         model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
                             **with_cache(work), use_cache=True)
