@@ -91,6 +91,56 @@ def test_recompute_stops_after_the_last_layers_keys_and_values(bridge):
     assert calls == {0: 1, len(layers) - 1: 0}
 
 
+def test_recompute_rides_along_with_the_next_forward_exactly(bridge):
+    """first_token_logits, score and generate carry the recompute in the continuing model's first pass: the same
+    logits, cache and tokens as recomputing first and reading after, batched with mixed lengths."""
+    from kvbridge.models import cache_kv, positions_from_mask, with_cache
+
+    b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.3)
+    prompts = ["def read(path):\n    with open(path) as handle:\n        return", "x = 1\ny ="]
+    ids, mask = b.encode(prompts)
+    cache, logits = b.first_token_logits(ids, mask)
+    separate = b.mapped_cache(ids[:, :-1], mask[:, :-1])  # recompute on its own, then read the held-back token
+    out = b.target.model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
+                         **with_cache(separate), use_cache=True)
+    assert torch.allclose(logits, out.logits[:, -1], atol=1e-4)
+    real = mask.bool()[:, None, :, None]
+    for x, y in zip(*(cache_kv(c)[0] + cache_kv(c)[1] for c in (cache, separate))):
+        assert torch.allclose(x * real, y * real, atol=1e-4)
+    fused = b.score(prompts, [" path", " 2"])
+    assert [s.logprob for s in fused] != pytest.approx([s.logprob for s in b.score(prompts, [" path", " 2"], "native")])
+    for i, prompt in enumerate(prompts):  # alone, the same (each row recomputes its own share)
+        assert b.score([prompt], [[" path", " 2"][i]])[0].logprob == pytest.approx(fused[i].logprob, abs=1e-4)
+    separate = b.mapped_cache(ids[:, :-1], mask[:, :-1])  # (the read above appended the held-back token to it)
+    greedy = b.target.model.generate(input_ids=ids, attention_mask=mask, **with_cache(separate), max_new_tokens=4,
+                                     do_sample=False, pad_token_id=b.tokenizer.pad_token_id)[:, ids.shape[1]:]
+    assert b.generate_ids(ids, mask, max_new_tokens=4).tolist() == greedy.tolist()
+
+
+def test_a_cache_that_owes_a_recompute_refuses_a_plain_read(bridge):
+    from kvbridge.models import positions_from_mask, with_cache
+
+    b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.3)
+    ids, mask = b.encode(["x = 1\ny = 2\nz ="])
+    model, owing = b.prefix_cache("mapped", ids, mask, owing=True)
+    with pytest.raises(RuntimeError, match="owes a selective recompute"):
+        model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
+              **with_cache(owing), use_cache=True)
+
+
+def test_the_fused_pass_runs_the_last_layer_for_the_new_tokens_only(bridge):
+    layers = bridge.target.model.get_decoder().layers
+    rows = []
+    hook = layers[-1].mlp.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.5)
+        ids, mask = b.encode(["def read(path):\n    with open(path) as handle:\n        return"])
+        b.first_token_logits(ids, mask)
+    finally:
+        hook.remove()
+    assert rows == [b.held_back(mask)]
+
+
 def test_recompute_picks_the_sources_most_surprising_tokens():
     from kvbridge.recompute import choose_columns
 

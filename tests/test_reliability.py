@@ -546,6 +546,8 @@ def test_bad_python_inputs_raise_kvbridge_errors(fitted):
     for call in (lambda: bridge.generate([]), lambda: bridge.generate(""),
                  lambda: bridge.generate("x", max_new_tokens=0),
                  lambda: bridge.generate("def f", do_sample=True, temperature=0.0),
+                 lambda: bridge.generate("def f", do_sample=True, num_return_sequences=2),
+                 lambda: bridge.generate("def f", num_beams=3),
                  lambda: bridge.generate("def f", max_new_tokens=2.5), lambda: bridge.score([], []),
                  lambda: bridge.score(["a"], []), lambda: bridge.score(["def f"], [""]),
                  lambda: Bridge.from_pretrained(source, target, str(mapper), device="bogus"),

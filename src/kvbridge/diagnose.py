@@ -88,8 +88,8 @@ class OracleBridge(Bridge):
             raise ValueError("oracle kinds are key, value or both")
         self.native = native  # target layer → "key" | "value" | "both"
 
-    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
-        mk, mv = cache_kv(super().mapped_cache(ids, mask))
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
+        mk, mv = cache_kv(super().mapped_cache(ids, mask))  # always complete: nothing is left owing
         nk, nv = cache_kv(prefill(self.target.model, ids, mask, logits="none")[0])
         for layer, kind in self.native.items():
             if kind in ("key", "both"):

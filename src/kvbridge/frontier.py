@@ -69,16 +69,16 @@ FIT = FitConfig(num_texts=160, seq_len=1024, stride=2, heldout_texts=4, batch_si
                 **PLAIN)
 # the tuned map with a lever on layer 3's values as well as its keys
 TUNED_KV = dict(TUNED, lever_kinds=("key", "value"))
-RECOMPUTE = {r: dict(recompute=r, recompute_by="logit") for r in (0.03, 0.05, 0.1, 0.15, 0.2)}
+RECOMPUTE = {r: dict(recompute=r, recompute_by="logit") for r in (0.03, 0.05, 0.07, 0.1, 0.15, 0.2)}
 FULL = FrontierConfig(  # about 9 minutes on 2 CPU cores
     fit=FIT,
     points=(
         Point("plain"),
         Point("lags + MLP 128", fit=MLP128),
-        Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=RECOMPUTE[0.1]),
         Point("tuned", fit=TUNED),
         Point("tuned + recompute 3%", fit=TUNED, runtime=RECOMPUTE[0.03]),
         Point("tuned + recompute 5%", fit=TUNED, runtime=RECOMPUTE[0.05]),
+        Point("tuned + recompute 7%", fit=TUNED, runtime=RECOMPUTE[0.07]),
         Point("tuned + recompute 10%", fit=TUNED, runtime=RECOMPUTE[0.1]),
     ),
 )
@@ -95,6 +95,7 @@ EXTENDED = FrontierConfig(  # FULL plus the levers that did not make it, for the
     points=FULL.points + (
         Point("lags", fit=LAGS),
         Point("plain + recompute 10%", runtime=RECOMPUTE[0.1]),
+        Point("lags + MLP 128 + recompute 10%", fit=MLP128, runtime=RECOMPUTE[0.1]),
         Point("lags + MLP 128 + recompute 5%", fit=MLP128, runtime=RECOMPUTE[0.05]),
         Point("lags + MLP 128 + recompute 20%", fit=MLP128, runtime=RECOMPUTE[0.2]),
         Point("tuned + recompute 15%", fit=TUNED, runtime=RECOMPUTE[0.15]),

@@ -18,6 +18,7 @@ import torch
 from .errors import InputError
 from .models import with_cache
 from .prompts import check_generation, pad_token_id
+from .recompute import reading
 
 
 @dataclass
@@ -36,13 +37,14 @@ def generate_ids(bridge, ids: torch.Tensor, mask: torch.Tensor, mode: str = "map
     stop_strings with tokenizer, …).
     """
     check_generation(max_new_tokens, generate_kwargs)
-    model, cache = bridge.prefix_cache(mode, ids, mask)
+    model, cache = bridge.prefix_cache(mode, ids, mask, owing=True)
     device = next(model.parameters()).device
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("pad_token_id", pad_token_id(bridge.tokenizer))
     try:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **with_cache(cache),
-                             max_new_tokens=max_new_tokens, **generate_kwargs)
+        with reading(model):  # a selective recompute rides along with generate's first step
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **with_cache(cache),
+                                 max_new_tokens=max_new_tokens, **generate_kwargs)
     except ValueError as exc:  # transformers validates generation options only here
         raise InputError(f"transformers' generate refused the call (usually a generation option): "
                          f"{str(exc).splitlines()[0]}") from None

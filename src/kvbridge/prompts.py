@@ -30,6 +30,11 @@ def check_generation(max_new_tokens: Any, kwargs: dict[str, Any]) -> None:
     """Refuse generation settings transformers would reject deep inside ``generate`` (or silently misuse)."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, not {max_new_tokens!r}.")
+    for name in ("num_beams", "num_return_sequences"):  # generate expands the prompts but not a given cache
+        if kwargs.get(name) not in (None, 1):
+            raise InputError(f"{name}={kwargs[name]!r}: generation continues one prefix cache per prompt, so it "
+                             "returns one greedy or sampled sequence per prompt. For several samples, repeat the "
+                             "prompt in the batch.")
     if kwargs.get("do_sample"):
         temperature, top_p, top_k = kwargs.get("temperature"), kwargs.get("top_p"), kwargs.get("top_k")
         if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):

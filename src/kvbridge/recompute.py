@@ -10,6 +10,14 @@ chosen tokens attend over T columns, not T + n). The cost is that of a target fo
 tokens without the last layer's attention and MLP, whose output nothing reads (a fraction of a native
 prefill); with every token chosen the result is the native cache exactly.
 
+That pass need not run on its own: the target reads the held-back prompt tokens (and, when scoring, the
+continuation) in a forward pass over the cache anyway, and the chosen tokens can ride along in it —
+one pass over the target's weights instead of two. :func:`owing_cache` leaves the recompute owed by the
+cache; under :func:`reading`, the next forward pass over it puts the chosen tokens before its own
+(each row attending as above; the new tokens to every real prefix column, the chosen ones fresh) and
+runs the last layer's attention and MLP for its own tokens only. ``generate``, ``score`` and
+``first_token_logits`` go that way; :func:`recompute_columns` is the pass on its own (a complete cache).
+
 Which tokens: the least predictable ones — spans that only the context can explain, such as names,
 numbers or a sequence to be recalled later, are where a mapped key that is slightly off costs most.
 
@@ -28,11 +36,12 @@ The row's first token (the attention sink) is always kept when ``sink`` is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
-from .models import cache_kv, logits_from_hidden, make_cache, with_cache
+from .models import cache_kv, logits_from_hidden, make_cache, positions_from_mask, with_cache
 
 CRITERIA = ("surprisal", "logit", "bigram")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
@@ -115,31 +124,161 @@ def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, si
 
 
 class _LastLayerDone(Exception):
-    """Raised by the last layer's cache once it holds its fresh K/V: the rest of the forward is not needed."""
+    """Raised by the last layer's cache once it holds the chosen tokens' fresh K/V: their rest of the forward is
+    not needed."""
+
+
+class _Pending:
+    """The recompute a cache still owes: the chosen tokens ``ids`` (B, n) at ``positions`` (B, n), each allowed
+    to attend to ``allowed`` (B, n, T) of the T prefix columns. ``armed`` once a forward pass carries them."""
+
+    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+        self.ids, self.positions, self.allowed = ids, positions, allowed
+        self.armed = False  # the chosen rows are in the forward pass now running (or have been)
+        self.last_done = False  # the last layer holds their K/V
 
 
 @functools.cache
 def _scatter_layer_class():
-    """A transformers cache layer over a copy of the mapped K/V (B, H, T, D) whose update writes the fresh K/V
-    of the recomputed tokens at their columns (``index`` (B, 1, n, 1)) instead of appending them, and returns
-    the whole layer; on the ``last`` layer it then stops the forward. Built once, on first use."""
+    """A transformers cache layer over a copy of the mapped K/V (B, H, T, D) that owes the recompute of the
+    tokens at ``index`` (B, 1, n, 1). Its first update receives the chosen tokens' fresh K/V first (n rows),
+    writes them over their columns, and appends any rows after them (tokens read after the prefix, as a
+    ``DynamicLayer`` does); from then on it is a plain ``DynamicLayer``. On the ``last`` layer the first update
+    carries the chosen rows only and stops their forward once written. Built once, on first use."""
     from transformers.cache_utils import DynamicLayer
 
     class ScatterLayer(DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, last: bool):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, last: bool,
+                     pending: _Pending):
             super().__init__()
             self.lazy_initialization(keys, values)
-            self.keys, self.values, self.index, self.last = keys.clone(), values.clone(), index, last
+            self.keys, self.values, self.index, self.last, self.pending = keys.clone(), values.clone(), index, last, \
+                pending
+            self.owes = True
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if not self.owes:
+                return super().update(key_states, value_states, *args, **kwargs)
+            if not self.pending.armed:  # read by a forward that does not carry the chosen tokens: refuse
+                raise RuntimeError("a kvbridge cache that owes a selective recompute was read outside "
+                                   "kvbridge.recompute.reading(model); use Bridge.prefix_cache(...) for a complete "
+                                   "cache.")
+            n = self.index.shape[2]
             at = self.index.expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
-            self.keys.scatter_(2, at, key_states.to(self.keys.dtype))
-            self.values.scatter_(2, at, value_states.to(self.values.dtype))
+            self.keys.scatter_(2, at, key_states[:, :, :n].to(self.keys.dtype))
+            self.values.scatter_(2, at, value_states[:, :, :n].to(self.values.dtype))
+            self.owes = False
             if self.last:
                 raise _LastLayerDone
-            return self.keys, self.values
+            if key_states.shape[2] == n:
+                return self.keys, self.values
+            return super().update(key_states[:, :, n:], value_states[:, :, n:], *args, **kwargs)
 
     return ScatterLayer
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (B, 1, q, K) mask from a boolean (B, q, K) one: eager attention adds it, SDPA takes it as is."""
+    return torch.zeros(allowed[:, None].shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed[:, None], torch.finfo(dtype).min)
+
+
+def owing_cache(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                columns: torch.Tensor):
+    """A copy of ``cache`` (T columns) that owes the recompute of ``columns`` (B, n) of the prefix ``ids``:
+    the next forward pass over it under :func:`reading` recomputes them along with its own tokens, in one
+    pass. Each chosen token attends to every real column at or before its position; the forward's own
+    tokens attend to every real prefix column (chosen ones fresh) and causally to each other."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
+    keys, values = cache_kv(cache)
+    q_pos = positions.gather(1, columns)  # (B, n)
+    q_real = mask.gather(1, columns).bool()  # (B, n): surplus picks of short rows are pads
+    allowed = mask.bool()[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None]) & q_real[:, :, None]  # (B, n, T)
+    allowed.scatter_(2, columns[:, :, None], True)  # a pad pick attends to itself: no row is all masked
+    pending = _Pending(ids.gather(1, columns), q_pos, allowed)
+    work = DynamicCache(config=model.config)
+    index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
+    layer = _scatter_layer_class()
+    work.layers = [layer(k, v, index, i == len(keys) - 1, pending) for i, (k, v) in enumerate(zip(keys, values))]
+    work.kvbridge_pending = pending
+    return work
+
+
+def _cache_argument(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))  # the keyword changed name in transformers 5
+
+
+def _carry_chosen(module, args, kwargs):
+    """Decoder pre-hook: when the cache owes a recompute, put the chosen tokens before the forward's own."""
+    pending = getattr(_cache_argument(kwargs), "kvbridge_pending", None)
+    if pending is None or pending.armed:
+        return None
+    ids = kwargs.get("input_ids")
+    if args or ids is None:
+        raise RuntimeError("a kvbridge cache that owes a selective recompute must be read with input_ids passed "
+                           "by keyword (the bridge's generate, score and first_token_logits do).")
+    b, q = ids.shape
+    n, t = pending.ids.shape[1], pending.allowed.shape[2]
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones((b, t + q), dtype=torch.long, device=ids.device) if mask is None else mask
+    if mask.dim() != 2 or mask.shape != (b, t + q) or pending.ids.shape[0] != b:
+        raise RuntimeError(f"a kvbridge cache that owes a selective recompute over {pending.ids.shape[0]} rows of "
+                           f"{t} columns was read with input_ids {tuple(ids.shape)} and attention_mask "
+                           f"{tuple(mask.shape)}; expected a 2-D mask over the prefix and the new tokens.")
+    positions = kwargs.get("position_ids")
+    positions = positions_from_mask(mask)[:, t:] if positions is None else positions
+    col = torch.arange(t + q, device=ids.device)
+    row = torch.arange(q, device=ids.device)
+    own = mask.bool()[:, None, :] & ((col[None, :] < t) | (col[None, :] - t <= row[:, None]))[None]  # (B, q, T+q)
+    chosen = torch.cat([pending.allowed, pending.allowed.new_zeros((b, n, q))], dim=2)  # never the new tokens
+    dtype = next(module.parameters()).dtype
+    kwargs.update(input_ids=torch.cat([pending.ids, ids], 1), position_ids=torch.cat([pending.positions, positions], 1),
+                  attention_mask=_bias(torch.cat([chosen, own], 1), dtype))
+    pending.armed = True
+    return args, kwargs
+
+
+def _rows(kwargs: dict, part: slice) -> dict:
+    """Decoder-layer keyword arguments restricted to the query rows ``part``."""
+    out = dict(kwargs)
+    out["attention_mask"] = kwargs["attention_mask"][:, :, part]
+    out["position_ids"] = kwargs["position_ids"][:, part]
+    out["position_embeddings"] = tuple(x[:, part] for x in kwargs["position_embeddings"])
+    return out
+
+
+def _finish_chosen(module, args, kwargs):
+    """Last decoder layer pre-hook: the chosen tokens need only its K/V (written, then their pass stops); the
+    layer then runs on the forward's own tokens alone."""
+    pending = getattr(_cache_argument(kwargs), "kvbridge_pending", None)
+    if pending is None or not pending.armed or pending.last_done:
+        return None
+    n = pending.ids.shape[1]
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    try:
+        module.forward(hidden[:, :n], **_rows(kwargs, slice(0, n)))
+    except _LastLayerDone:
+        pass
+    pending.last_done = True
+    return (hidden[:, n:], *args[1:]), _rows(kwargs, slice(n, None))
+
+
+@contextlib.contextmanager
+def reading(model):
+    """Inside, a forward pass of ``model`` over a cache from :func:`owing_cache` carries the chosen tokens along
+    with its own: one pass recomputes them and reads the new tokens (e.g. the held-back prompt tokens in
+    ``generate``'s first step), instead of a recompute pass and then a reading pass."""
+    decoder = model.get_decoder()
+    hooks = [decoder.register_forward_pre_hook(_carry_chosen, with_kwargs=True),
+             decoder.layers[-1].register_forward_pre_hook(_finish_chosen, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()
@@ -152,24 +291,12 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
     which then holds the mapped K/V of the other tokens and the fresh K/V of the chosen ones (itself
     included). The last layer stops once its K/V are written: its attention and MLP feed nothing.
     """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
-    keys, values = cache_kv(cache)
-    q_pos = positions.gather(1, columns)  # (B, n)
-    q_real = mask.gather(1, columns).bool()  # (B, n): surplus picks of short rows are pads
-    allowed = mask.bool()[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None]) & q_real[:, :, None]  # (B, n, T)
-    allowed.scatter_(2, columns[:, :, None], True)  # a pad pick attends to itself: no row is all masked
-    dtype = next(model.parameters()).dtype  # an additive mask: eager attention adds it, SDPA takes it as is
-    bias = torch.zeros(allowed[:, None].shape, dtype=dtype, device=device).masked_fill_(~allowed[:, None],
-                                                                                        torch.finfo(dtype).min)
-    work = DynamicCache(config=model.config)
-    index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
-    layer = _scatter_layer_class()
-    work.layers = [layer(k, v, index, last=i == len(keys) - 1) for i, (k, v) in enumerate(zip(keys, values))]
+    work = owing_cache(model, cache, ids, mask, positions, columns)
+    pending = work.kvbridge_pending
+    pending.armed = True
     try:
-        model.get_decoder()(input_ids=ids.gather(1, columns), attention_mask=bias, position_ids=q_pos,
+        bias = _bias(pending.allowed, next(model.parameters()).dtype)
+        model.get_decoder()(input_ids=pending.ids, attention_mask=bias, position_ids=pending.positions,
                             **with_cache(work), use_cache=True)
     except _LastLayerDone:
         pass
@@ -177,10 +304,12 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
 
 
 @torch.no_grad()
-def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor):
+def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
     """The mapped cache of a left-padded batch with ``bridge.recompute`` of its prefix tokens (and the sink)
-    recomputed by the target: source prefill (with what the criterion needs), map, choose, recompute."""
-    from .models import positions_from_mask, prefill
+    recomputed by the target: source prefill (with what the criterion needs), map, choose, recompute.
+    ``owing``: return the cache before the recompute, owing it to the next forward pass over it
+    (:func:`owing_cache`)."""
+    from .models import prefill
 
     source = bridge.source.model
     positions = positions_from_mask(mask)
@@ -200,4 +329,5 @@ def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor):
     cache = bridge.map_cache(source_cache, positions, hidden if reads_state else None)
     after_pad = torch.nn.functional.pad(mask[:, :-1], (1, 0)).to(scores.device) == 0  # first token: no score
     columns = choose_columns(scores.masked_fill(after_pad, 0.0), mask, bridge.recompute, bridge.sink)
-    return recompute_columns(bridge.target.model, cache, ids, mask, positions, columns)
+    finish = owing_cache if owing else recompute_columns
+    return finish(bridge.target.model, cache, ids, mask, positions, columns)

@@ -17,6 +17,7 @@ import torch
 from .errors import InputError, NumericalError
 from .models import positions_from_mask, with_cache
 from .prompts import check_ids, check_text
+from .recompute import reading
 
 
 class Score(NamedTuple):
@@ -73,7 +74,7 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
                              f"the {bridge.max_positions} positions these models support. Truncate the context.")
     longest = max(len(c) for c in continuations)
     ids, mask = bridge.pad(contexts)
-    model, cache = bridge.prefix_cache(mode, ids, mask)
+    model, cache = bridge.prefix_cache(mode, ids, mask, owing=True)
     b, m = ids.shape[0], bridge.held_back(mask)
     tail = torch.full((b, m + longest), int(ids[0, -1]), dtype=torch.long)
     tail_mask = torch.zeros((b, m + longest), dtype=torch.long)
@@ -84,8 +85,9 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
     full_mask = torch.cat([mask, tail_mask[:, m:]], dim=1)  # (B, T + K): context, then continuation
     positions = positions_from_mask(full_mask)[:, ids.shape[1] - m:]  # (B, m + K) of the tail
     device = next(model.parameters()).device
-    out = model(input_ids=tail.to(device), attention_mask=full_mask.to(device),
-                position_ids=positions.to(device), **with_cache(cache), use_cache=True)
+    with reading(model):  # a selective recompute rides along with the tail
+        out = model(input_ids=tail.to(device), attention_mask=full_mask.to(device),
+                    position_ids=positions.to(device), **with_cache(cache), use_cache=True)
     logprobs = log_probs(out.logits, f"{'target' if mode != 'source' else 'source'} ({mode})")  # (B, m + K, V)
     # position m − 1 + j predicts continuation token j
     return [score_row(logprobs[i, m - 1 : m - 1 + len(cont)], cont) for i, cont in enumerate(continuations)]

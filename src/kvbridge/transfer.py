@@ -35,7 +35,7 @@ from .models import (
     with_cache,
 )
 from .prompts import PromptBatches, check_batch
-from .recompute import selective_recompute
+from .recompute import reading, selective_recompute
 from .rope import plain_positions, rope_factors, rotate_
 from .scoring import Score, score_ids, score_texts
 
@@ -189,22 +189,28 @@ class Bridge(PromptBatches):
         return map_source_cache(self.source.model, self.target.model, self.mapper, source_cache, positions,
                                 self.chunk_tokens, state)
 
-    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor):
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
-        ``recompute``/``sink``, the target's recompute of the chosen tokens)."""
+        ``recompute``/``sink``, the target's recompute of the chosen tokens). ``owing``: the recompute is left
+        to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`."""
         if not self.selects_tokens:
             return self.map_cache(*self.source_prefill(ids, mask))
-        return selective_recompute(self, ids, mask)
+        return selective_recompute(self, ids, mask, owing)
 
-    def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor):
-        """The model that continues and its cache over all but the last :meth:`held_back` columns."""
+    def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
+        """The model that continues and its cache over all but the last :meth:`held_back` columns.
+
+        ``owing`` (mapped mode): a selective recompute is not run on its own but carried by the continuing
+        model's next forward pass over the cache, with the held-back tokens (one target pass instead of two);
+        that pass must run under :func:`kvbridge.recompute.reading` (generate, score and
+        :meth:`first_token_logits` do)."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
         check_batch(ids, mask, self.vocab)
         cut = ids.shape[1] - self.held_back(mask)
         prefix_ids, prefix_mask = ids[:, :cut], mask[:, :cut]
         if mode == "mapped":
-            return self.target.model, self.mapped_cache(prefix_ids, prefix_mask)
+            return self.target.model, self.mapped_cache(prefix_ids, prefix_mask, owing)
         model = self.target.model if mode == "native" else self.source.model
         return model, prefill(model, prefix_ids, prefix_mask, logits="none")[0]
 
@@ -215,18 +221,20 @@ class Bridge(PromptBatches):
         This is what time to first token (TTFT) measures. ``native``: the target prefills all T tokens
         and projects the last one to the vocabulary, in one pass. ``mapped``: the source prefills the
         first T − m, the mapper builds the target's cache, and the target reads the m held-back tokens
-        to the last one's logits. ``source``: the same as native with the source model.
+        to the last one's logits (with selective recompute, in the same forward pass as the recomputed
+        tokens). ``source``: the same as native with the source model.
         """
         if mode != "mapped":
             model = self.target.model if mode == "native" else self.source.model
             cache, logits = prefill(model, ids, mask, logits="last")
             return cache, logits[:, -1]
-        model, cache = self.prefix_cache(mode, ids, mask)
+        model, cache = self.prefix_cache(mode, ids, mask, owing=True)
         device = next(model.parameters()).device
         m = self.held_back(mask)
-        out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
-                    position_ids=positions_from_mask(mask)[:, -m:].to(device), **with_cache(cache), use_cache=True,
-                    logits_to_keep=1)
+        with reading(model):
+            out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
+                        position_ids=positions_from_mask(mask)[:, -m:].to(device), **with_cache(cache), use_cache=True,
+                        logits_to_keep=1)
         return cache_of(out), out.logits[:, -1]
 
     # -- generation (kvbridge.generation) ----------------------------------------------------------
