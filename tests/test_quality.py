@@ -8,6 +8,7 @@ import torch
 from kvbridge import Mapper, family
 from kvbridge.cli import main
 from kvbridge.diagnose import OracleBridge
+from kvbridge.errors import UnsupportedModelError
 from kvbridge.evaluate import family_tasks, mean_retention
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.transfer import Bridge
@@ -91,30 +92,70 @@ def test_recompute_stops_after_the_last_layers_keys_and_values(bridge):
     assert calls == {0: 1, len(layers) - 1: 0}
 
 
-def test_recompute_rides_along_with_the_next_forward_exactly(bridge):
+class _RecomputeFirst(Bridge):
+    """The reference: the recompute runs on its own (a complete prefix cache), then the continuing model reads."""
+
+    def prefix_cache(self, mode, ids, mask, owing=False):
+        return super().prefix_cache(mode, ids, mask, owing=False)
+
+
+@pytest.mark.parametrize("window", [None, 16])  # 16: the 14-token prefix fits, the tokens read after it reach past
+def test_recompute_rides_along_with_the_next_forward_exactly(bridge, window):
     """first_token_logits, score and generate carry the recompute in the continuing model's first pass: the same
-    logits, cache and tokens as recomputing first and reading after, batched with mixed lengths."""
-    from kvbridge.models import cache_kv, positions_from_mask, with_cache
+    logits, cache, scores and tokens as recomputing first and reading after — batched with mixed lengths, three
+    held-back tokens, right-padded continuations, and a sliding-window target."""
+    from kvbridge.models import cache_kv
+
+    config = bridge.target.model.get_decoder().config
+    saved = config.sliding_window
+    config.sliding_window = window
+    try:
+        fused, first = (cls(bridge.source, bridge.target, bridge.mapper, recompute=0.3, hold_back=3)
+                        for cls in (Bridge, _RecomputeFirst))
+        prompts = ["def read(path):\n    with open(path) as handle:\n        return", "x = 1\ny ="]
+        ids, mask = fused.encode(prompts)
+        (cache, logits), (ref_cache, ref_logits) = (b.first_token_logits(ids, mask) for b in (fused, first))
+        assert torch.allclose(logits, ref_logits, atol=1e-4)
+        real = mask.bool()[:, None, :, None]
+        for x, y in zip(*(cache_kv(c)[0] + cache_kv(c)[1] for c in (cache, ref_cache))):
+            kept = y.shape[2]  # a sliding-window layer keeps the last columns only (the fused cache keeps all)
+            assert torch.allclose((x * real)[:, :, -kept:], (y * real[:, :, -kept:]), atol=1e-4)
+        continuations = [" handle.read()\n", " 2"]
+        scores = fused.score(prompts, continuations)
+        assert [s.logprob for s in scores] == pytest.approx([s.logprob for s in first.score(prompts, continuations)],
+                                                            abs=1e-4)
+        assert [s.logprob for s in scores] != pytest.approx([s.logprob for s in fused.score(prompts, continuations,
+                                                                                            "native")], abs=1e-3)
+        assert fused.generate_ids(ids, mask, max_new_tokens=4).tolist() == \
+            first.generate_ids(ids, mask, max_new_tokens=4).tolist()
+        if window:  # a prefix longer than the window's cache: a clear refusal, not an index error
+            with pytest.raises(UnsupportedModelError, match="sliding-window"):
+                fused.first_token_logits(*fused.encode(["x = 1\n" * 6]))
+    finally:
+        config.sliding_window = saved
+
+
+def test_a_failed_carrying_pass_leaves_a_cache_that_refuses_reads(bridge):
+    from kvbridge.models import positions_from_mask, with_cache
+    from kvbridge.recompute import reading
 
     b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.3)
-    prompts = ["def read(path):\n    with open(path) as handle:\n        return", "x = 1\ny ="]
-    ids, mask = b.encode(prompts)
-    cache, logits = b.first_token_logits(ids, mask)
-    separate = b.mapped_cache(ids[:, :-1], mask[:, :-1])  # recompute on its own, then read the held-back token
-    out = b.target.model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
-                         **with_cache(separate), use_cache=True)
-    assert torch.allclose(logits, out.logits[:, -1], atol=1e-4)
-    real = mask.bool()[:, None, :, None]
-    for x, y in zip(*(cache_kv(c)[0] + cache_kv(c)[1] for c in (cache, separate))):
-        assert torch.allclose(x * real, y * real, atol=1e-4)
-    fused = b.score(prompts, [" path", " 2"])
-    assert [s.logprob for s in fused] != pytest.approx([s.logprob for s in b.score(prompts, [" path", " 2"], "native")])
-    for i, prompt in enumerate(prompts):  # alone, the same (each row recomputes its own share)
-        assert b.score([prompt], [[" path", " 2"][i]])[0].logprob == pytest.approx(fused[i].logprob, abs=1e-4)
-    separate = b.mapped_cache(ids[:, :-1], mask[:, :-1])  # (the read above appended the held-back token to it)
-    greedy = b.target.model.generate(input_ids=ids, attention_mask=mask, **with_cache(separate), max_new_tokens=4,
-                                     do_sample=False, pad_token_id=b.tokenizer.pad_token_id)[:, ids.shape[1]:]
-    assert b.generate_ids(ids, mask, max_new_tokens=4).tolist() == greedy.tolist()
+    ids, mask = b.encode(["x = 1\ny = 2\nz ="])
+    model, owing = b.prefix_cache("mapped", ids, mask, owing=True)
+    read = dict(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
+                **with_cache(owing), use_cache=True)
+
+    def boom(*args):
+        raise KeyboardInterrupt
+
+    hook = model.get_decoder().layers[1].mlp.register_forward_hook(boom)
+    try:
+        with pytest.raises(KeyboardInterrupt), reading(model):
+            model(**read)
+    finally:
+        hook.remove()
+    with pytest.raises(RuntimeError, match="failed part-way"), reading(model):
+        model(**read)
 
 
 def test_a_cache_that_owes_a_recompute_refuses_a_plain_read(bridge):

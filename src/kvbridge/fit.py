@@ -86,7 +86,7 @@ class FitConfig:
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
     hold_back: int = 1  # the last prompt token is read by the target itself (the recommended point: more buys little
     # once the levers are tuned, and costs time to first token)
-    recompute: float = 0.03  # the target recomputes the 3 % of prefix tokens the source predicted least well
+    recompute: float = 0.07  # the target recomputes the 7 % of prefix tokens the source predicted least well
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     sink: bool = False
 

@@ -130,12 +130,16 @@ class _LastLayerDone(Exception):
 
 class _Pending:
     """The recompute a cache still owes: the chosen tokens ``ids`` (B, n) at ``positions`` (B, n), each allowed
-    to attend to ``allowed`` (B, n, T) of the T prefix columns. ``armed`` once a forward pass carries them."""
+    to attend to ``allowed`` (B, n, T) of the T prefix columns (at ``prefix_positions``, within the model's sliding
+    ``window`` if it has one). ``armed`` once a forward pass carries them."""
 
-    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                 prefix_positions: torch.Tensor, window: int | None):
         self.ids, self.positions, self.allowed = ids, positions, allowed
+        self.prefix_positions, self.window = prefix_positions, window  # (B, T); the model's sliding window
         self.armed = False  # the chosen rows are in the forward pass now running (or have been)
         self.last_done = False  # the last layer holds their K/V
+        self.failed = False  # that pass stopped before the end: some layers hold fresh K/V, others do not
 
 
 @functools.cache
@@ -159,6 +163,9 @@ def _scatter_layer_class():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.owes:
                 return super().update(key_states, value_states, *args, **kwargs)
+            if self.pending.failed:
+                raise RuntimeError("the forward pass that carried this kvbridge cache's selective recompute failed "
+                                   "part-way; the cache is half recomputed. Build a new one.")
             if not self.pending.armed:  # read by a forward that does not carry the chosen tokens: refuse
                 raise RuntimeError("a kvbridge cache that owes a selective recompute was read outside "
                                    "kvbridge.recompute.reading(model); use Bridge.prefix_cache(...) for a complete "
@@ -183,6 +190,17 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~allowed[:, None], torch.finfo(dtype).min)
 
 
+def _window(model) -> int | None:
+    """The decoder's sliding attention window (None: full attention), as its own mask function reads it."""
+    return getattr(model.get_decoder().config, "sliding_window", None)
+
+
+def _in_window(allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``allowed`` (B, q, K) restricted to keys less than ``window`` positions before each query (as transformers'
+    sliding-window mask does); unchanged without a window."""
+    return allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+
+
 def owing_cache(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 columns: torch.Tensor):
     """A copy of ``cache`` (T columns) that owes the recompute of ``columns`` (B, n) of the prefix ``ids``:
@@ -194,11 +212,20 @@ def owing_cache(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: 
     device = next(model.parameters()).device
     ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
     keys, values = cache_kv(cache)
+    if any(k.shape[2] != ids.shape[1] for k in keys):
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"selective recompute needs every prefix column in the cache, but this target's sliding-window layers "
+            f"keep only the last {min(k.shape[2] for k in keys)} of the prompt's {ids.shape[1]}. Turn recompute off "
+            "(Bridge(..., recompute=0), or kvbridge fit --recompute 0) or use prompts shorter than the window.")
     q_pos = positions.gather(1, columns)  # (B, n)
     q_real = mask.gather(1, columns).bool()  # (B, n): surplus picks of short rows are pads
     allowed = mask.bool()[:, None, :] & (positions[:, None, :] <= q_pos[:, :, None]) & q_real[:, :, None]  # (B, n, T)
+    window = _window(model)
+    allowed = _in_window(allowed, q_pos, positions, window)
     allowed.scatter_(2, columns[:, :, None], True)  # a pad pick attends to itself: no row is all masked
-    pending = _Pending(ids.gather(1, columns), q_pos, allowed)
+    pending = _Pending(ids.gather(1, columns), q_pos, allowed, positions, window)
     work = DynamicCache(config=model.config)
     index = columns[:, None, :, None]  # (B, 1, n, 1) → broadcast over heads and head dim
     layer = _scatter_layer_class()
@@ -233,6 +260,7 @@ def _carry_chosen(module, args, kwargs):
     col = torch.arange(t + q, device=ids.device)
     row = torch.arange(q, device=ids.device)
     own = mask.bool()[:, None, :] & ((col[None, :] < t) | (col[None, :] - t <= row[:, None]))[None]  # (B, q, T+q)
+    own = _in_window(own, positions, torch.cat([pending.prefix_positions, positions], 1), pending.window)
     chosen = torch.cat([pending.allowed, pending.allowed.new_zeros((b, n, q))], dim=2)  # never the new tokens
     dtype = next(module.parameters()).dtype
     kwargs.update(input_ids=torch.cat([pending.ids, ids], 1), position_ids=torch.cat([pending.positions, positions], 1),
@@ -254,8 +282,8 @@ def _finish_chosen(module, args, kwargs):
     """Last decoder layer pre-hook: the chosen tokens need only its K/V (written, then their pass stops); the
     layer then runs on the forward's own tokens alone."""
     pending = getattr(_cache_argument(kwargs), "kvbridge_pending", None)
-    if pending is None or not pending.armed or pending.last_done:
-        return None
+    if pending is None or not pending.armed or pending.last_done or pending.failed:
+        return None  # (a failed cache's own layers refuse the read)
     n = pending.ids.shape[1]
     hidden = args[0] if args else kwargs.pop("hidden_states")
     try:
@@ -270,15 +298,26 @@ def _finish_chosen(module, args, kwargs):
 def reading(model):
     """Inside, a forward pass of ``model`` over a cache from :func:`owing_cache` carries the chosen tokens along
     with its own: one pass recomputes them and reads the new tokens (e.g. the held-back prompt tokens in
-    ``generate``'s first step), instead of a recompute pass and then a reading pass."""
+    ``generate``'s first step), instead of a recompute pass and then a reading pass. A cache whose carrying
+    pass did not finish (an exception inside) refuses any later read."""
+    carried: list[_Pending] = []
+
+    def carry(module, args, kwargs):
+        out = _carry_chosen(module, args, kwargs)
+        if out is not None:
+            carried.append(_cache_argument(kwargs).kvbridge_pending)
+        return out
+
     decoder = model.get_decoder()
-    hooks = [decoder.register_forward_pre_hook(_carry_chosen, with_kwargs=True),
+    hooks = [decoder.register_forward_pre_hook(carry, with_kwargs=True),
              decoder.layers[-1].register_forward_pre_hook(_finish_chosen, with_kwargs=True)]
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
+        for pending in carried:
+            pending.failed = not pending.last_done
 
 
 @torch.no_grad()
