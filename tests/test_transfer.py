@@ -58,6 +58,17 @@ def test_identity_map_scores_equal_native(identity_bridge):
         assert alone.logprob == pytest.approx(native[i].logprob, abs=1e-4)
 
 
+def test_a_checkpoint_asking_for_beams_still_gets_one_sequence_per_prompt(identity_bridge):
+    config = identity_bridge.target.model.generation_config
+    saved = config.num_beams, config.num_return_sequences
+    config.num_beams, config.num_return_sequences = 3, 2
+    try:
+        out = identity_bridge.generate(PROMPTS[:2], max_new_tokens=3)
+    finally:
+        config.num_beams, config.num_return_sequences = saved
+    assert len(out.token_ids) == 2 and all(len(t) == 3 for t in out.token_ids)
+
+
 def test_sampling_runs_and_is_seeded(identity_bridge):
     torch.manual_seed(0)
     a = identity_bridge.generate(PROMPTS[:2], max_new_tokens=6, do_sample=True, temperature=0.8)

@@ -40,6 +40,10 @@ def generate_ids(bridge, ids: torch.Tensor, mask: torch.Tensor, mode: str = "map
     model, cache = bridge.prefix_cache(mode, ids, mask, owing=True)
     device = next(model.parameters()).device
     generate_kwargs.setdefault("do_sample", False)
+    # one sequence per prompt and prefix cache (check_generation refuses more), whatever the checkpoint's
+    # generation_config.json asks for
+    generate_kwargs.setdefault("num_beams", 1)
+    generate_kwargs.setdefault("num_return_sequences", 1)
     generate_kwargs.setdefault("pad_token_id", pad_token_id(bridge.tokenizer))
     try:
         with reading(model):  # a selective recompute rides along with generate's first step
