@@ -25,7 +25,6 @@ reset between phases through ``/proc/self/clear_refs`` where Linux allows it.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ import torch
 from .mapper import KINDS, Mapper, MapperConfig
 from .models import prefill
 from .outputs import save_figure
+from .recompute import recompute_counts
 from .transfer import Bridge
 
 
@@ -136,7 +136,8 @@ def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, toke
     source_logits = prefix if selects and recompute_by == "surprisal" else 0
     flops = prefill_flops(source_config, prefix, source_logits) + map_flops(mapper, prefix)
     if selects:
-        flops += recompute_flops(target_config, max(math.ceil(recompute * prefix), int(sink)), prefix)
+        n = int(recompute_counts(recompute, torch.tensor([prefix]), sink)[0])  # as the runtime counts them
+        flops += recompute_flops(target_config, n, prefix)
     return flops + prefill_flops(target_config, m, 1, past=prefix)
 
 

@@ -99,6 +99,12 @@ def negative_logit(model, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     return out
 
 
+def recompute_counts(fraction: float, real: torch.Tensor, sink: bool) -> torch.Tensor:
+    """How many tokens each row recomputes: ceil(``fraction`` × its ``real`` tokens) (float64, so the FLOP count and
+    the runtime agree), at least its sink when ``sink`` is set, at most all of them."""
+    return torch.clamp(torch.ceil(fraction * real.double()).long(), min=int(sink)).minimum(real)
+
+
 def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, sink: bool) -> torch.Tensor:
     """(B, n) sorted columns to recompute: the top ``fraction`` of each row's real tokens by ``scores``.
 
@@ -108,7 +114,7 @@ def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, si
     """
     mask = mask.to(scores.device)
     real = mask.sum(-1)  # (B,)
-    counts = torch.clamp(torch.ceil(fraction * real.double()).long(), min=int(sink)).minimum(real)  # (B,)
+    counts = recompute_counts(fraction, real, sink)  # (B,)
     n = min(int(counts.max()), mask.shape[1])
     ranked = scores.float().masked_fill(mask == 0, float("-inf"))
     if sink:  # each row's first real token: the column where the mask turns on
