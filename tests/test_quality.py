@@ -247,7 +247,9 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
 def test_fit_defaults_are_the_frontiers_recommended_point():
     from dataclasses import replace
 
-    from kvbridge.frontier import FULL, RECOMMENDED
+    from kvbridge.demo import FULL as DEMO
+    from kvbridge.frontier import FAMILY, FULL, RECOMMENDED
 
     point = next(p for p in FULL.points if p.name == RECOMMENDED)
-    assert FitConfig() == replace(FULL.fit, **point.fit, **point.runtime)
+    assert FitConfig(**FAMILY) == replace(FULL.fit, **point.fit, **point.runtime) == DEMO.fit
+    assert FitConfig().top_k is None  # a deeper source than the family's keeps every source layer by default

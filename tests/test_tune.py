@@ -82,7 +82,7 @@ def test_tuning_keeps_only_what_lowers_the_validation_divergence():
     source, target = family.load_family()
     texts = family.calibration_texts()
     base = dict(num_texts=40, seq_len=128, heldout_texts=2, mlp_hidden=16, mlp_steps=50, lever_layers=(3,),
-                tune_steps=60, tune_lr=1e-3)
+                tune_steps=60, tune_lr=1e-3, tune_plain=False)
     kv = fit_mapper(source, target, texts, FitConfig(**base, lever_objective="kv"), progress=False)
     tuned = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
     again = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
@@ -93,6 +93,13 @@ def test_tuning_keeps_only_what_lowers_the_validation_divergence():
     changed = {n for n in kv.weights if not torch.equal(kv.weights[n], tuned.weights[n])}
     assert changed == {n for n in kv.weights if n.startswith("key.3.")}
     assert all(torch.equal(tuned.weights[n], again.weights[n]) for n in tuned.weights)  # seeded
+    # tune_plain: layer 3's plain value map trains with its key lever; the map's shapes (its cost) do not change
+    both = fit_mapper(source, target, texts, FitConfig(**(base | dict(tune_plain=True))), progress=False)
+    changed = {n for n in kv.weights if not torch.equal(kv.weights[n], both.weights[n])}
+    assert changed == {n for n in kv.weights if n.startswith(("key.3.", "value.3."))}
+    assert all(both.weights[n].shape == kv.weights[n].shape for n in kv.weights)
+    assert both.config.fit["tune"]["kept"]
+    assert both.config.fit["tune"]["validation_kl_after"] < both.config.fit["tune"]["validation_kl_before"]
 
 
 def test_tuning_settings_are_checked():

@@ -50,7 +50,8 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
 
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
-                                       "the defaults are the frontier's recommended point on the embedded family")
+                                       "the defaults are the frontier's recommended point on the embedded family, "
+                                       "which adds --top-k 1 (its source has two layers))")
     g.add_argument("--lags", type=_int_list, default=d.lags,
                    help=f"source tokens t-j feeding target token t on lever layers (default: "
                         f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
@@ -90,6 +91,10 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                    help="kv: levers fitted by mean squared error on the target's K/V; output: then tuned end to end "
                         "on the KL divergence from the target's native next-token distribution (needs Llama-style "
                         f"decoder layers; checked) (default: {d.lever_objective})")
+    g.add_argument("--tune-plain", action=argparse.BooleanOptionalAction, default=d.tune_plain,
+                   help="with --lever-objective output, also tune the plain linear maps of the lever layers' other "
+                        "kinds (e.g. the values of a layer whose keys get a lever) on the same objective: no "
+                        f"runtime cost (default: {d.tune_plain})")
     g.add_argument("--tune-steps", type=int, default=d.tune_steps,
                    help=f"tuning steps with --lever-objective output (default: {d.tune_steps})")
     g.add_argument("--tune-batch", type=int, default=d.tune_batch,
@@ -123,7 +128,8 @@ def _lever_settings(args) -> dict:
                 mlp_hidden=args.mlp_hidden,
                 mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr,
                 mlp_observations=args.mlp_observations, repeat_spans=args.repeat_spans,
-                lever_objective=args.lever_objective, tune_steps=args.tune_steps, tune_batch=args.tune_batch,
+                lever_objective=args.lever_objective, tune_plain=args.tune_plain, tune_steps=args.tune_steps,
+                tune_batch=args.tune_batch,
                 tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
                 recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
 

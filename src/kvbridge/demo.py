@@ -23,6 +23,7 @@ from .card import write_card
 from .errors import KVBridgeError
 from .evaluate import family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
+from .frontier import FAMILY
 from .mapper import Mapper, check_mapper
 from .outputs import check_output_dir, write_text
 from .transfer import Bridge
@@ -40,12 +41,13 @@ class DemoConfig:
     new_tokens: int = 24
 
 
-FULL = DemoConfig(fit=FitConfig(),  # kvbridge fit's defaults: the frontier's recommended levers
+FULL = DemoConfig(fit=FitConfig(**FAMILY),  # kvbridge fit's defaults on the family: the frontier's recommended point
                   task_items=48, task_lengths=(256, 1024), contexts=(64, 256, 1024), warmup=2, trials=7)
 QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
                                  mlp_batch=256, tune_steps=10),
                    task_items=8, task_lengths=(128,), contexts=(32, 64), warmup=1, trials=3, new_tokens=8)
-PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0, sink=False, hold_back=1)
+PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0, top_k=None, recompute=0.0, sink=False,
+             hold_back=1)  # the published card's map: every source layer, no levers
 
 
 def _say(message: str = "") -> None:

@@ -78,6 +78,7 @@ class FitConfig:
     repeat_spans: float = 0.5  # spans written twice per lever calibration row, on average (texts.repeat_spans)
     lever_objective: str = "output"  # "kv": mean squared error on K/V; "output": then tuned on the target's
     # next-token distribution (kvbridge.tune)
+    tune_plain: bool = True  # "output" also tunes the plain maps of the lever layers' other kinds (same runtime cost)
     tune_steps: int = 600
     tune_batch: int = 2  # rows a tuning step
     tune_lr: float = 3e-4
@@ -86,7 +87,7 @@ class FitConfig:
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
     hold_back: int = 1  # the last prompt token is read by the target itself (the recommended point: more buys little
     # once the levers are tuned, and costs time to first token)
-    recompute: float = 0.07  # the target recomputes the 7 % of prefix tokens the source predicted least well
+    recompute: float = 0.05  # the target recomputes the 5 % of prefix tokens the source predicted least well
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     sink: bool = False
 
@@ -189,8 +190,9 @@ def _check_types(config: FitConfig) -> None:
     for name in _STRINGS:
         if not isinstance(getattr(config, name), str):
             raise bad(name, "a string")
-    if not isinstance(config.sink, bool):
-        raise bad("sink", "True or False")
+    for name in ("sink", "tune_plain"):
+        if not isinstance(getattr(config, name), bool):
+            raise bad(name, "True or False")
     for name in ("lags", "lever_layers"):
         value = getattr(config, name)
         if value is None and name == "lever_layers":
@@ -428,8 +430,13 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
             tuning = TuneBudget(steps=config.tune_steps, batch=config.tune_batch, lr=config.tune_lr,
                                 rows=config.tune_rows, seed=config.seed)
             tune_start = time.perf_counter()
-            lever_weights, tune_report = tune_levers(source, target, lever_seqs, selection, levers, lever_weights,
-                                                     tuning, config.batch_size, progress)
+            lever_keys = {(v.kind, v.layer) for v in levers}
+            plain = tuple(sorted((kind, layer) for _, layer in lever_keys for kind in KINDS
+                                 if (kind, layer) not in lever_keys)) if config.tune_plain else ()
+            start_weights = lever_weights | {f"{kind}.{layer}.{part}": weights[f"{kind}.{layer}.{part}"]
+                                             for kind, layer in plain for part in ("weight", "bias")}
+            lever_weights, tune_report = tune_levers(source, target, lever_seqs, selection, levers, start_weights,
+                                                     tuning, config.batch_size, progress, plain)
             tune_seconds = time.perf_counter() - tune_start
         weights.update(lever_weights)
     fit_seconds = time.perf_counter() - start

@@ -238,6 +238,9 @@ def _tune_phase(config, source: ModelShape, target: ModelShape, levers: list[tup
                 itemsize: int) -> Phase:
     """Tuning the levers (:mod:`kvbridge.tune`): rows and features in host memory, a step's graph on the device."""
     rows = min(config.tune_rows, config.num_texts)
+    if config.tune_plain:  # the lever layers' plain maps of the other kinds train too: (features, no MLP) each
+        count = len(levers) // len(config.lever_kinds)
+        levers = levers + [(selected_features(config, source), 0)] * (count * (2 - len(set(config.lever_kinds))))
     held = rows * config.seq_len * (sum(w for w, _ in levers) + target.hidden) * itemsize
     tokens = min(config.tune_batch, rows) * config.seq_len
     # layers the step runs: from the first lever layer on (unknown before the fit picks them: all, at most)

@@ -92,9 +92,11 @@ def mapped(params: dict, x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor, selection: dict,
                 levers: tuple[Lever, ...], weights: dict[str, torch.Tensor], budget: TuneBudget, batch_size: int,
-                progress: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+                progress: bool = True, plain: tuple[tuple[str, int], ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
     """Tune the levers' weights (names as :func:`kvbridge.levers.fit_levers` writes them) on the KL divergence
-    from the target's native next-token distribution; returns (weights, report)."""
+    from the target's native next-token distribution; returns (weights, report). ``plain``: (kind, layer) maps
+    without a lever, on lever layers, trained with them (their plain linear map: the runtime cost is unchanged);
+    ``weights`` holds theirs too."""
     from tqdm.auto import tqdm
 
     model, device = target.model, target.device
@@ -109,6 +111,7 @@ def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tenso
     check_decoder_layers(model, rows[:1, : min(rows.shape[1], 256)].to(device), first,
                          _tolerance(next(model.parameters()).dtype))
     specs = {(v.kind, v.layer): Features(tuple(selection[v.kind][v.layer]), v.inputs, v.lags, v.state) for v in levers}
+    specs |= {(kind, layer): Features(tuple(selection[kind][layer]), (kind,)) for kind, layer in plain}
     features, hidden = tuning_rows(source, target, rows, specs, first, batch_size, progress)
     heads = target.info.num_kv_heads
     params = {key: {part: weights[f"{key[0]}.{key[1]}.{part}"].to(device, torch.float32).clone().requires_grad_(True)
