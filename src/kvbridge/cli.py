@@ -51,7 +51,7 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
                                        "the defaults are the frontier's recommended point on the embedded family, "
-                                       "which adds --top-k 1 (its source has two layers))")
+                                       "which adds --top-k 1, its source having two layers")
     g.add_argument("--lags", type=_int_list, default=d.lags,
                    help=f"source tokens t-j feeding target token t on lever layers (default: "
                         f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
