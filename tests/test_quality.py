@@ -195,6 +195,49 @@ def test_recompute_picks_the_sources_most_surprising_tokens():
     assert picks[1] == [1, 3, 5] and [c for c in picks[0] if short[0, c]] == [4] and len(set(picks[0])) == 3
 
 
+def test_the_window_ranks_unpredictable_spans_whole_and_ignores_pads():
+    from kvbridge.recompute import choose_columns, window_mean
+
+    # one surprising token (column 3) in ordinary text, and a run of fairly surprising ones (columns 7-9)
+    scores = torch.tensor([[0.0, 2.0, 1.0, 9.0, 1.0, 1.0, 1.0, 6.0, 6.0, 6.0, 1.0, 1.0]])
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    valid[0, 0] = False  # a row's first token has no score
+    mask = torch.ones_like(scores, dtype=torch.long)
+    assert choose_columns(window_mean(scores, valid, 1), mask, 0.25, sink=False).tolist() == [[3, 7, 8]]
+    assert choose_columns(window_mean(scores, valid, 3), mask, 0.25, sink=False).tolist() == [[7, 8, 9]]
+    # the mean over the valid columns of the window: the unscored first column and pads count for nothing
+    assert window_mean(scores, valid, 3)[0, :3].tolist() == [2.0, 1.5, 4.0]
+    padded = torch.cat([torch.full((1, 3), 100.0), scores], 1)
+    padded_valid = torch.cat([torch.zeros((1, 3), dtype=torch.bool), valid], 1)
+    assert torch.equal(window_mean(padded, padded_valid, 5)[:, 3:], window_mean(scores, valid, 5))
+    assert torch.equal(window_mean(scores, valid, 1), scores.masked_fill(~valid, 0.0))
+
+
+def test_the_recompute_window_is_a_runtime_option_older_artifacts_lack(pair, tmp_path):
+    import json as js
+
+    from kvbridge.errors import InputError
+
+    source, target = pair
+    mapper = fit_mapper(source, target, family.calibration_texts(),
+                        FitConfig(num_texts=4, seq_len=64, heldout_texts=0, lever_objective="kv", mlp_steps=5,
+                                  recompute_window=5), progress=False)
+    mapper.save_pretrained(tmp_path / "m")
+    assert Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m"))).recompute_window == 5
+    assert Bridge(source, target, mapper, recompute_window=1).recompute_window == 1
+    with pytest.raises(InputError, match="odd integer"):
+        Bridge(source, target, mapper, recompute_window=4)
+    with pytest.raises(InputError, match="--recompute-window"):
+        FitConfig(recompute_window=0)
+    config = js.loads((tmp_path / "m" / "mapper.json").read_text())
+    assert config["runtime"]["recompute_window"] == 5
+    plain = mapper.config.runtime.override(recompute_window=1).to_dict()
+    assert "recompute_window" not in plain  # window 1 writes what releases before the window wrote
+    from kvbridge.mapper import RuntimeOptions
+
+    assert RuntimeOptions.from_dict(plain).recompute_window == 1  # an artifact without the field: as before
+
+
 def test_frontier_quick_writes_its_three_files(tmp_path, capsys):
     assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "frontier.json").read_text())

@@ -155,6 +155,8 @@ MAPPER_JSON_EDITS = {
     "runtime hold_back true": _set(("runtime",), {"hold_back": True}),
     "runtime recompute 2": _set(("runtime",), {"recompute": 2}),
     "runtime criterion unknown": _set(("runtime",), {"recompute_by": "magic"}),
+    "runtime window even": _set(("runtime",), {"recompute_window": 4}),
+    "runtime window 0": _set(("runtime",), {"recompute_window": 0}),
     "levers not a list": _set(("levers",), {"kind": "key"}),
     "lever of a missing layer": _set(("levers",), [{"kind": "key", "layer": 9}]),
     "lever with a bad kind": _set(("levers",), [{"kind": "query", "layer": 0}]),

@@ -114,6 +114,10 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                    help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
                         "projection), minus the source's logit of each token (one dot product a token), or a bigram "
                         f"table of the calibration text stored in the artifact (default: {d.recompute_by})")
+    r.add_argument("--recompute-window", type=int, default=d.recompute_window,
+                   help="average each token's --recompute-by score over this many tokens centred on it (odd), so that "
+                        "unpredictable spans (names, numbers, text to be recalled) are recomputed whole; 1: each "
+                        f"token's own score (default: {d.recompute_window})")
     r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
                    help="the target recomputes each prompt's first token (attention sink)")
     r.add_argument("--hold-back", type=int, default=d.hold_back,
@@ -131,7 +135,8 @@ def _lever_settings(args) -> dict:
                 lever_objective=args.lever_objective, tune_plain=args.tune_plain, tune_steps=args.tune_steps,
                 tune_batch=args.tune_batch,
                 tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
-                recompute=args.recompute, recompute_by=args.recompute_by, sink=args.sink, hold_back=args.hold_back)
+                recompute=args.recompute, recompute_by=args.recompute_by,
+                recompute_window=args.recompute_window, sink=args.sink, hold_back=args.hold_back)
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:

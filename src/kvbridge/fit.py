@@ -29,7 +29,7 @@ import torch
 from .errors import InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
 from .models import LoadedModel, prefill_content, source_hidden_size
-from .recompute import CRITERIA
+from .recompute import CRITERIA, is_window
 from .stats import (
     CalibrationStats,
     KVStats,
@@ -87,8 +87,9 @@ class FitConfig:
     # runtime options recorded in mapper.json (a Bridge uses them unless told otherwise)
     hold_back: int = 1  # the last prompt token is read by the target itself (the recommended point: more buys little
     # once the levers are tuned, and costs time to first token)
-    recompute: float = 0.05  # the target recomputes the 5 % of prefix tokens the source predicted least well
+    recompute: float = 0.04  # the target recomputes the 4 % of prefix tokens the source predicted least well
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
+    recompute_window: int = 9  # its score averaged over the 9 tokens centred on each: unpredictable spans go whole
     sink: bool = False
 
     @property
@@ -145,6 +146,9 @@ class FitConfig:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
         if self.recompute_by not in CRITERIA:
             raise InputError("--recompute-by must be surprisal, logit or bigram.")
+        if not is_window(self.recompute_window):
+            raise InputError(f"--recompute-window must be an odd integer >= 1 (1: each token's own score), not "
+                             f"{self.recompute_window}.")
         if self.num_texts < 1:
             raise InputError("--num-texts must be at least 1.")
         if self.seq_len < 2:
@@ -163,7 +167,8 @@ class FitConfig:
 
 
 _INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
-         "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back")
+         "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back",
+         "recompute_window")
 _OPTIONAL_INTS = ("top_k", "lever_top_k")
 _NUMBERS = ("ridge", "mlp_lr", "recompute", "repeat_spans", "tune_lr")
 _STRINGS = ("lever_inputs", "lever_weighting", "lever_objective", "recompute_by")
@@ -473,7 +478,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     vocab = int(target.model.config.vocab_size)  # every artifact carries the bigram table (a few MB at most)
     weights.update(bigram_tables(fit_seqs, vocab))
     runtime = RuntimeOptions(hold_back=config.hold_back, recompute=float(config.recompute), sink=bool(config.sink),
-                             recompute_by=config.recompute_by, bigram_vocab=vocab,
+                             recompute_by=config.recompute_by, recompute_window=config.recompute_window,
+                             bigram_vocab=vocab,
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
                                  levers=levers, runtime=runtime), weights, run_report)

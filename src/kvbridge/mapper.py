@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import artifact, schema
 from .errors import ArtifactError
 from .models import ModelInfo, check_matches, check_same_tokenizer
-from .recompute import CRITERIA
+from .recompute import CRITERIA, is_window
 
 KINDS = ("key", "value")
 INPUTS = KINDS + ("state",)  # what a lever can read: the two caches, and the source's final hidden state
@@ -105,13 +105,15 @@ class RuntimeOptions:
     ``hold_back``: last prompt tokens the target reads itself (fewer for a batch whose shortest prompt
     is not longer); ``recompute``: fraction of the prefix
     tokens the target recomputes over the mapped cache (:mod:`kvbridge.recompute`), chosen by
-    ``recompute_by``; ``sink``: always recompute each row's first token.
+    ``recompute_by`` averaged over a ``recompute_window`` of tokens (odd; 1: each token's own score, as
+    artifacts without the field were used); ``sink``: always recompute each row's first token.
     """
 
     hold_back: int = 1
     recompute: float = 0.0
     recompute_by: str = "logit"
     sink: bool = False
+    recompute_window: int = 1
     bigram_pairs: int = 0  # size of the bigram table the artifact carries for recompute_by="bigram" (0: none)
     bigram_vocab: int = 0
 
@@ -130,9 +132,11 @@ class RuntimeOptions:
                                 "(bigram_pairs, bigram_vocab > 0); refit with --recompute-by bigram.")
         if not isinstance(self.sink, bool):
             raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
+        if not is_window(self.recompute_window):
+            raise ArtifactError(f"runtime recompute_window must be an odd integer >= 1, not {self.recompute_window!r}.")
 
     def override(self, hold_back: int | None = None, recompute: float | None = None, recompute_by: str | None = None,
-                 sink: bool | None = None) -> RuntimeOptions:
+                 sink: bool | None = None, recompute_window: int | None = None) -> RuntimeOptions:
         """These options with a caller's overrides (None keeps the mapper's); bad values are the caller's
         mistake, so they raise :class:`~kvbridge.errors.InputError`, not ArtifactError."""
         from dataclasses import replace
@@ -150,21 +154,24 @@ class RuntimeOptions:
             raise InputError(f"sink must be True or False, not {sink!r}.")
         if recompute_by is not None and recompute_by not in CRITERIA:
             raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
+        if recompute_window is not None and not is_window(recompute_window):
+            raise InputError(f"recompute_window must be an odd integer >= 1, not {recompute_window!r}.")
         if recompute_by == "bigram" and not self.bigram_pairs:
             raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
                              "recompute_by='logit' or 'surprisal', or refit it.")
         given = dict(hold_back=hold_back, recompute=None if recompute is None else float(recompute),
-                     recompute_by=recompute_by, sink=sink)
+                     recompute_by=recompute_by, sink=sink, recompute_window=recompute_window)
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
+        window = {} if self.recompute_window == 1 else {"recompute_window": self.recompute_window}  # (older files)
         return {"hold_back": self.hold_back, "recompute": float(self.recompute), "recompute_by": self.recompute_by,
-                "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
+                **window, "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuntimeOptions:
-        known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "sink", "bigram_pairs", "bigram_vocab")
-                 if k in data}
+        known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "recompute_window", "sink",
+                                      "bigram_pairs", "bigram_vocab") if k in data}
         return cls(**known)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -134,13 +134,15 @@ class Bridge(PromptBatches):
 
     def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int | None = None,
                  allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
-                 sink: bool | None = None, recompute_by: str | None = None):
-        """``hold_back``, ``recompute``, ``recompute_by`` and ``sink`` default to the mapper's runtime options."""
+                 sink: bool | None = None, recompute_by: str | None = None, recompute_window: int | None = None):
+        """``hold_back``, ``recompute``, ``recompute_by``, ``recompute_window`` and ``sink`` default to the mapper's
+        runtime options."""
         check_parts(source, target, mapper)
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
-        options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink)
+        options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink, recompute_window)
         self.recompute, self.recompute_by, self.sink = options.recompute, options.recompute_by, options.sink
+        self.recompute_window = options.recompute_window
         self.chunk_tokens = chunk_tokens
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, options.hold_back
