@@ -207,7 +207,7 @@ def test_the_window_ranks_unpredictable_spans_whole_and_ignores_pads():
     assert choose_columns(window_mean(scores, valid, 3), mask, 0.25, sink=False).tolist() == [[7, 8, 9]]
     # the mean over the valid columns of the window: the unscored first column and pads count for nothing
     assert window_mean(scores, valid, 3)[0, :3].tolist() == [2.0, 1.5, 4.0]
-    padded = torch.cat([torch.full((1, 3), 100.0), scores], 1)
+    padded = torch.cat([torch.tensor([[100.0, float("nan"), float("inf")]]), scores], 1)  # a pad scores anything
     padded_valid = torch.cat([torch.zeros((1, 3), dtype=torch.bool), valid], 1)
     assert torch.equal(window_mean(padded, padded_valid, 5)[:, 3:], window_mean(scores, valid, 5))
     assert torch.equal(window_mean(scores, valid, 1), scores.masked_fill(~valid, 0.0))

@@ -147,9 +147,9 @@ def _fit_section(config: MapperConfig, run: dict) -> str:
                      f"validation KL {tune['validation_kl_before']:.4f} → {tune['validation_kl_after']:.4f}, "
                      f"{'kept' if tune.get('kept') else 'not kept'} |")
     r = config.runtime
-    lines.append(f"| runtime | hold-back {r.hold_back} tokens, recompute {r.recompute:g} (by {r.recompute_by}"
-                 + (f", averaged over {r.recompute_window} tokens" if r.recompute_window > 1 else "") + "), "
-                 f"sink {'on' if r.sink else 'off'} |")
+    window = f", averaged over {r.recompute_window} tokens" if r.recompute_window > 1 and r.recompute > 0 else ""
+    lines.append(f"| runtime | hold-back {r.hold_back} tokens, recompute {r.recompute:g} "
+                 f"(by {r.recompute_by}{window}), sink {'on' if r.sink else 'off'} |")
     for kind in ("key", "value"):
         fit_r2, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
         if number(fit_r2):

@@ -133,7 +133,8 @@ class RuntimeOptions:
         if not isinstance(self.sink, bool):
             raise ArtifactError(f"runtime sink must be true or false, not {self.sink!r}.")
         if not is_window(self.recompute_window):
-            raise ArtifactError(f"runtime recompute_window must be an odd integer >= 1, not {self.recompute_window!r}.")
+            raise ArtifactError(f"runtime recompute_window must be an odd integer >= 1 (1: each token's own score), "
+                                f"not {self.recompute_window!r}; the file was edited or is corrupted.")
 
     def override(self, hold_back: int | None = None, recompute: float | None = None, recompute_by: str | None = None,
                  sink: bool | None = None, recompute_window: int | None = None) -> RuntimeOptions:
@@ -155,7 +156,8 @@ class RuntimeOptions:
         if recompute_by is not None and recompute_by not in CRITERIA:
             raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
         if recompute_window is not None and not is_window(recompute_window):
-            raise InputError(f"recompute_window must be an odd integer >= 1, not {recompute_window!r}.")
+            raise InputError(f"recompute_window must be an odd integer >= 1 (1: each token's own score), not "
+                             f"{recompute_window!r}.")
         if recompute_by == "bigram" and not self.bigram_pairs:
             raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
                              "recompute_by='logit' or 'surprisal', or refit it.")

@@ -119,7 +119,8 @@ def window_mean(scores: torch.Tensor, valid: torch.Tensor, window: int) -> torch
         return scores.float().masked_fill(~valid, 0.0)
     w = valid.float()[:, None]
     pool = functools.partial(torch.nn.functional.avg_pool1d, kernel_size=window, stride=1, padding=window // 2)
-    total, count = pool(scores.float()[:, None] * w)[:, 0], pool(w)[:, 0]
+    # (filled, not multiplied: a pad's score may be anything, even NaN, and must not reach its neighbours)
+    total, count = pool(scores.float().masked_fill(~valid, 0.0)[:, None])[:, 0], pool(w)[:, 0]
     return torch.where(count > 0, total / count.clamp_min(1e-12), 0.0)
 
 

@@ -118,7 +118,8 @@ def validate(data: Any) -> None:
     _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
          and 0 <= v <= 1, "a number in [0, 1]", required=False)
     _get(runtime, "recompute_by", "runtime", text, "a string", required=False)
-    _get(runtime, "recompute_window", "runtime", integer(1), "an odd integer >= 1", required=False)
+    _get(runtime, "recompute_window", "runtime", lambda v: integer(1)(v) and v % 2 == 1, "an odd integer >= 1",
+         required=False)
     _get(runtime, "sink", "runtime", lambda v: isinstance(v, bool), "true or false", required=False)
     for key in ("bigram_pairs", "bigram_vocab"):
         _get(runtime, key, "runtime", integer(0), "an integer >= 0", required=False)
