@@ -127,3 +127,28 @@ def tiny_vlm(tmp_path_factory, tiny_pair):
                             tie_word_embeddings=False)
     model = Mistral3ForConditionalGeneration(config).eval()
     return save_model(model, tokenizer, tmp_path_factory.mktemp("vlm") / "ministral3-vlm"), model
+
+
+@pytest.fixture(scope="session")
+def family_fast_mapper(tmp_path_factory):
+    """A mapper of the embedded family fitted in seconds (levers on, no selective recompute, hold-back 1): what the
+    serving tests compare vLLM against Bridge with."""
+    from kvbridge import family
+    from kvbridge.fit import FitConfig, fit_mapper
+
+    torch.manual_seed(0)
+    source, target = family.load_family()
+    config = FitConfig(num_texts=16, seq_len=256, heldout_texts=2, mlp_steps=50, tune_steps=10, top_k=1, lever_top_k=1,
+                       recompute=0.0)
+    out = tmp_path_factory.mktemp("family") / "mapper"
+    fit_mapper(source, target, family.calibration_texts(), config, progress=False).save_pretrained(out)
+    return str(out)
+
+
+def vllm_ready() -> str | None:
+    """Why vLLM cannot run here (None: it can): the serving tests need `pip install "kvbridge[serve]"`."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # an import error, or torchvision's operator error beside a CPU torch
+        return f"vLLM does not import: {exc}"
+    return None

@@ -325,6 +325,9 @@ def _parser() -> argparse.ArgumentParser:
                         add_help=False)
     lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see `lm-eval run -h`)")
 
+    sub.add_parser("serve", help="vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge "
+                                 "connector (kvbridge serve --help)", add_help=False)
+
     card = sub.add_parser("card", help="write a Hub model card, artifact_manifest.json and example.py into an artifact",
                           description="Adds README.md (a Hub model card: the pair with revisions and fingerprints, "
                                       "the fit, retention and latency tables rendered from result files, usage, "
@@ -785,6 +788,83 @@ def _cmd_push(args) -> int:
     return 0
 
 
+def _serve_parser() -> argparse.ArgumentParser:
+    from .serving.config import MODES, ServeConfig
+
+    d = ServeConfig(mapper="-", source="-", target="-")
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve",
+        description="Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
+                    "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
+                    "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
+                    "Any failure for a request falls back to a native prefill. With no pair, the embedded family "
+                    "and its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.",
+        epilog="Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
+               "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
+    g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
+    g.add_argument("--mapper", help="mapper folder or hub id")
+    g.add_argument("--mapper-revision", help="hub revision of the mapper")
+    g.add_argument("--source", help="source model (folder or hub id)")
+    g.add_argument("--target", help="target model, the one vLLM serves (folder or hub id)")
+    g.add_argument("--source-revision", help="hub revision of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--allow-revision-mismatch", action="store_true",
+                   help="accept models whose revision differs from the mapper's record")
+    r = p.add_argument_group("requests")
+    r.add_argument("--mode", choices=MODES, default=d.mode,
+                   help=f"default for requests whose kv_transfer_params do not say (default: {d.mode})")
+    r.add_argument("--min-tokens", type=int, default=None,
+                   help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
+                        f"{d.min_tokens})")
+    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair: auto's threshold is the shortest "
+                                   "context whose mapped TTFT beat native")
+    r.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
+    r.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
+                                                   "connector (default: the mapper's; 0: none)")
+    c = p.add_argument_group("connector")
+    c.add_argument("--connector-device", default=d.device,
+                   help=f"device of the source and mapper inside the engine's worker (default: {d.device})")
+    c.add_argument("--connector-dtype", default=d.dtype, help="their dtype (default: auto)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", help="model name clients send (default: the target's hub id or folder name)")
+    return p
+
+
+def _cmd_serve(args) -> int:
+    from . import family
+    from .models import check_device
+    from .serving.config import ServeConfig
+    from .serving.server import break_even, resolve_model, serve
+
+    if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
+        raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
+    if args.source:
+        from .artifact import resolve
+
+        source, target = resolve_model(args.source, args.source_revision), resolve_model(args.target,
+                                                                                          args.target_revision)
+        mapper = str(resolve(args.mapper, args.mapper_revision, "mapper"))
+        name = args.served_model_name or (args.target if not Path(args.target).exists() else Path(args.target).name)
+    else:
+        from .artifact import resolve
+
+        source, target = family.source_path(), family.target_path()
+        mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
+        name = args.served_model_name or "kvbridge-family"
+        if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
+            args.vllm_args += ["--chat-template", family.chat_template_path()]
+    check_device(args.connector_device, "--connector-device")
+    min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
+    runtime = {k: v for k, v in (("hold_back", args.hold_back), ("recompute", args.recompute)) if v is not None}
+    config = ServeConfig(mapper=mapper, source=source, target=target, mode=args.mode, device=args.connector_device,
+                         dtype=args.connector_dtype, runtime=runtime,
+                         allow_revision_mismatch=args.allow_revision_mismatch,
+                         **({"min_tokens": min_tokens} if min_tokens is not None else {}))
+    return serve(config, name, args.host, args.port, args.vllm_args)
+
+
 def _require(module: str, extra: str, what: str) -> None:
     """Fail in one line, before any work, when an optional dependency is missing."""
     import importlib.util
@@ -823,13 +903,16 @@ def _log(message: str) -> None:
 COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
             "frontier": _cmd_frontier,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
-            "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}
+            "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push, "serve": _cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
         args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
+    elif argv[:1] == ["serve"]:  # options kvbridge does not know belong to `vllm serve`
+        args, rest = _serve_parser().parse_known_args(argv[1:])
+        args.command, args.vllm_args = "serve", rest
     else:
         args = _parser().parse_args(argv)
     try:

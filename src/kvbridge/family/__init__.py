@@ -62,3 +62,21 @@ def load_family(device: str = "cpu", dtype=None):
     from ..models import load_model
 
     return load_model(source_path(), device=device, dtype=dtype), load_model(target_path(), device=device, dtype=dtype)
+
+
+MAPPER = FAMILY_DIR / "mapper"
+
+
+def mapper_path() -> str:
+    """The family's recommended mapper, shipped as a verified artifact: ``kvbridge fit``'s defaults with ``--top-k 1
+    --lever-top-k 1`` on the calibration split (its ``fit_report.json`` says how long the fit took)."""
+    return str(_require(MAPPER))
+
+
+CHAT_TEMPLATE = FAMILY_DIR / "chat_template.jinja"
+
+
+def chat_template_path() -> str:
+    """A chat template for the family (its tokenizer has none: it was trained on code, not conversations): each
+    message as a comment line naming its role, then its text."""
+    return str(_require(CHAT_TEMPLATE))

@@ -1,0 +1,165 @@
+"""What a kvbridge connector inside a vLLM engine needs to know, and the engine arguments that set it up.
+
+No vLLM import here: :func:`engine_kwargs` builds the keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs``
+(and :func:`serve_argv` the same as ``vllm serve`` flags), so they can be checked and tested without an engine.
+
+A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbridge": MODE}``:
+
+* ``mapped``: the source prefills all prompt tokens but the last ``hold_back``, the mapper builds the target's
+  K/V for them, the connector writes them into the engine's paged cache; the engine computes the rest itself;
+* ``native``: the engine prefills the whole prompt, as without kvbridge;
+* ``auto``: ``mapped`` for prompts of at least ``min_tokens`` tokens, ``native`` below (mapping a short prompt
+  costs more than it saves: measure the break-even with ``kvbridge bench``).
+
+Approximate K/V stay approximate: a mapped request's blocks live in the prefix cache under a ``cache_salt``
+of their own (:func:`namespace`: the mapper's checksums and runtime options), so a request that did not ask
+for mapped K/V from this very mapper never gets them as a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+
+MODES = ("mapped", "native", "auto")
+PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
+CONNECTOR = "KVBridgeConnector"
+CONNECTOR_MODULE = "kvbridge.serving.connector"
+NAMESPACE_PREFIX = "kvbridge-"
+MAX_SALT = 128  # vLLM's limit on cache_salt
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The connector's settings (``kv_connector_extra_config``), validated on construction.
+
+    ``mapper``, ``source`` and ``target``: folders (resolved hub snapshots included); ``target`` must be the model
+    the engine serves. ``mode``: the default for requests that do not say; ``min_tokens``: ``auto``'s break-even
+    prompt length. ``device``/``dtype``: where the source and the mapper run inside the engine's worker (the
+    target's transformers copy, used only when the mapper recomputes tokens, sits beside them). ``runtime``:
+    overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
+    """
+
+    mapper: str
+    source: str
+    target: str
+    mode: str = "mapped"
+    min_tokens: int = 256
+    device: str = "cpu"
+    dtype: str = "auto"
+    runtime: dict[str, Any] = field(default_factory=dict)
+    allow_revision_mismatch: bool = False
+
+    def __post_init__(self):
+        for name in ("mapper", "source", "target"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise InputError(f"kvbridge serving: {name} must be a folder or hub id, not {getattr(self, name)!r}.")
+        if self.mode not in MODES:
+            raise InputError(f"kvbridge serving: the default mode must be one of {', '.join(MODES)}, not "
+                             f"{self.mode!r}.")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 2:
+            raise InputError(f"kvbridge serving: min_tokens must be an integer >= 2, not {self.min_tokens!r}.")
+        known = {"hold_back", "recompute", "recompute_by", "recompute_window", "sink"}
+        if not isinstance(self.runtime, dict) or set(self.runtime) - known:
+            raise InputError(f"kvbridge serving: runtime overrides must be a dict of {', '.join(sorted(known))}, "
+                             f"not {self.runtime!r}.")
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> ServeConfig:
+        """From ``kv_connector_extra_config`` (unknown keys are refused: a misspelled option would be ignored)."""
+        if not isinstance(extra, dict):
+            raise InputError("kvbridge serving: kv_connector_extra_config must be a JSON object.")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise InputError(f"kvbridge serving: unknown connector option(s) {', '.join(unknown)}; the options are "
+                             f"{', '.join(sorted(names))}.")
+        return cls(**extra)
+
+    def to_extra(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
+    """The prefix-cache namespace of mapped K/V: the mapper's checksums file (its weights and mapper.json) and the
+    runtime options the requests run with, hashed. Two servers with the same mapper and options share it."""
+    from ..artifact import CHECKSUMS_FILE
+    from ..hashing import sha256_json
+
+    checksums = (Path(mapper_dir) / CHECKSUMS_FILE).read_text(encoding="utf-8")
+    return NAMESPACE_PREFIX + sha256_json({"checksums": checksums, "runtime": runtime})[:32]
+
+
+def salted(namespace_: str, salt: Any) -> str:
+    """A request's cache_salt in the mapper's namespace (a salt of its own kept after it, within vLLM's limit)."""
+    if salt is None or salt == "":
+        return namespace_
+    if not isinstance(salt, str):
+        raise InputError(f"cache_salt must be a string, not {type(salt).__name__}.")
+    if len(namespace_) + 1 + len(salt) > MAX_SALT:
+        raise InputError(f"cache_salt is {len(salt)} characters; with kvbridge's mapper namespace "
+                         f"({len(namespace_)} characters) a mapped request's salt may have at most "
+                         f"{MAX_SALT - len(namespace_) - 1}.")
+    return f"{namespace_}:{salt}"
+
+
+def in_namespace(salt: str | None, namespace_: str) -> bool:
+    return isinstance(salt, str) and (salt == namespace_ or salt.startswith(namespace_ + ":"))
+
+
+def request_mode(params: Any, default: str) -> str:
+    """A request's mode from its ``kv_transfer_params`` (None or without the key: ``default``); InputError for
+    anything else, with what to send."""
+    if params is None:
+        return default
+    if not isinstance(params, dict):
+        raise InputError(f"kv_transfer_params must be a JSON object such as {{\"{PARAM}\": \"mapped\"}}, not "
+                         f"{type(params).__name__}.")
+    mode = params.get(PARAM, default)
+    if mode not in MODES:
+        raise InputError(f"kv_transfer_params.{PARAM} must be one of {', '.join(MODES)}, not {mode!r}.")
+    return mode
+
+
+def llama4_scaling(target_dir: str | Path) -> dict[str, Any] | None:
+    """The ``hf_overrides`` that make vLLM apply Ministral-3's position-dependent query scaling as transformers does.
+
+    transformers' Ministral3 keeps ``llama_4_scaling_beta`` inside ``rope_parameters``; vLLM's Mistral model applies
+    the scaling only when the config has a top-level ``llama_4_scaling``. Without it vLLM serves a different model
+    past ``original_max_position_embeddings`` (16,384 on the real Ministral-3). Read from the target's own config
+    (text config of a multimodal repo included); None when the model has no such scaling.
+    """
+    config = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    if text.get("llama_4_scaling") or config.get("llama_4_scaling"):
+        return None  # already in vLLM's form
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    original = rope.get("original_max_position_embeddings")
+    if beta is None or original is None:
+        return None
+    scaling = {"original_max_position_embeddings": int(original), "beta": float(beta)}
+    return {"text_config": {"llama_4_scaling": scaling}} if "text_config" in config else {"llama_4_scaling": scaling}
+
+
+def engine_kwargs(config: ServeConfig | None = None, **vllm_options) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (or ``AsyncEngineArgs``) serving ``config.target`` with the kvbridge
+    connector (``config`` None: the target alone, no connector — the native baseline), with the target's
+    llama-4 query scaling in vLLM's form. ``vllm_options`` are passed through (dtype, max_model_len, …) and win."""
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        kwargs["model"] = config.target
+        kwargs["kv_transfer_config"] = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+                                        "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+                                        "kv_connector_extra_config": config.to_extra()}
+    kwargs.update(vllm_options)
+    if "model" not in kwargs:
+        raise InputError("engine_kwargs needs a ServeConfig or model=...")
+    overrides = llama4_scaling(kwargs["model"])
+    if overrides:
+        kwargs["hf_overrides"] = {**overrides, **(kwargs.get("hf_overrides") or {})}
+    return kwargs

