@@ -24,8 +24,9 @@ LENGTHS = (64, 130, 256, 300, 700, 1024, 1312, 2000)
 def engine(family_fast_mapper):
     """(llm, config, bridge): the family's target in vLLM with the fault-injecting kvbridge connector, and the Bridge
     it must agree with."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from kvbridge.serving.server import cpu_defaults
+
+    cpu_defaults()
     here = str(Path(__file__).parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
     from vllm import LLM

@@ -4,14 +4,10 @@ answered through the `openai` client — completions, chat, streaming, mapped an
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
-
 from conftest import vllm_ready
 
 if vllm_ready() and not os.environ.get("CI"):
@@ -20,44 +16,15 @@ if vllm_ready() and not os.environ.get("CI"):
 STARTUP_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(family_fast_mapper, tmp_path_factory):
     """(base url, log path) of `kvbridge serve` on the embedded family with the fast mapper, started once."""
-    port = free_port()
+    from kvbridge.serving.server import launched
+
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", "--mapper", family_fast_mapper, "--port",
-                                 str(port), "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvbridge serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvbridge serve did not answer /health in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    args = ["--mapper", family_fast_mapper, "--max-model-len", "2048", "--max-num-seqs", "8"]
+    with launched(args, log, STARTUP_S) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +47,8 @@ def test_completions_mapped_and_native(client):
     native = client.completions.create(model="kvbridge-family", prompt=prompt, max_tokens=8, temperature=0,
                                        extra_body={"kv_transfer_params": {"kvbridge": "native"}})
     default = client.completions.create(model="kvbridge-family", prompt=prompt, max_tokens=8, temperature=0)
-    assert mapped.kv_transfer_params["kvbridge"] == "mapped" and mapped.kv_transfer_params["kvbridge_mapped_tokens"] > 50
+    status = mapped.kv_transfer_params
+    assert status["kvbridge"] == "mapped" and status["kvbridge_mapped_tokens"] > 50
     assert native.kv_transfer_params == {"kvbridge": "native"}
     assert default.kv_transfer_params["kvbridge"] == "mapped"  # the server's default mode
     assert default.choices[0].text == mapped.choices[0].text and mapped.choices[0].text

@@ -4,4 +4,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (a process vLLM spawns imports this module again: it must not run the command twice)
+    sys.exit(main())

@@ -11,6 +11,10 @@ A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbr
 * ``auto``: ``mapped`` for prompts of at least ``min_tokens`` tokens, ``native`` below (mapping a short prompt
   costs more than it saves: measure the break-even with ``kvbridge bench``).
 
+``"kvbridge_hold_back": n`` (optional) makes the engine compute the last ``n`` prompt tokens itself instead of the
+mapper's hold-back: a scoring request that asks for ``prompt_logprobs`` of a continuation holds the continuation
+back, so it is scored by the target over the mapped context.
+
 Approximate K/V stay approximate: a mapped request's blocks live in the prefix cache under a ``cache_salt``
 of their own (:func:`namespace`: the mapper's checksums and runtime options), so a request that did not ask
 for mapped K/V from this very mapper never gets them as a prefix-cache hit.
@@ -27,6 +31,7 @@ from ..errors import InputError
 
 MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
+HOLD_BACK = "kvbridge_hold_back"  # and its own hold-back, optionally
 CONNECTOR = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.serving.connector"
 NAMESPACE_PREFIX = "kvbridge-"
@@ -123,6 +128,16 @@ def request_mode(params: Any, default: str) -> str:
     if mode not in MODES:
         raise InputError(f"kv_transfer_params.{PARAM} must be one of {', '.join(MODES)}, not {mode!r}.")
     return mode
+
+
+def request_hold_back(params: Any) -> int | None:
+    """A request's own ``kv_transfer_params.kvbridge_hold_back`` (prompt tokens the engine computes itself: the
+    scored continuation of a log-likelihood request, say), None when it sets none; InputError for a bad value."""
+    value = params.get(HOLD_BACK) if isinstance(params, dict) else None
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InputError(f"kv_transfer_params.{HOLD_BACK} must be an integer >= 1 (prompt tokens the engine computes "
+                         f"itself), not {value!r}.")
+    return value
 
 
 def llama4_scaling(target_dir: str | Path) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from ..errors import CompatibilityError, UnsupportedModelError
-from .config import PARAM, ServeConfig, in_namespace, namespace, request_mode
+from .config import PARAM, ServeConfig, in_namespace, namespace, request_hold_back, request_mode
 
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
 STATUSES = ("mapped", "native", "short", "fallback")
@@ -156,6 +156,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # scheduler side
         self._status: dict[str, str] = {}  # request id -> its outcome so far
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
+        self._ends: dict[str, int] = {}  # request id -> end of its mapped prefix
         self._map_ms: dict[str, float] = {}
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
         self._stats = KVBridgeStats()
@@ -265,6 +266,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """``(outcome, tokens to load)`` for a request the engine is about to schedule."""
         try:
             mode = request_mode(request.kv_transfer_params, self.config.mode)
+            hold_back = request_hold_back(request.kv_transfer_params) or self.hold_back
         except Exception as exc:  # the HTTP layer refuses these with a 400; an offline caller gets native
             return f"fallback: {exc}", 0
         prompt = len(request.prompt_token_ids or ())
@@ -272,9 +274,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return "native", 0
         if mode == "auto" and prompt < self.config.min_tokens:
             return "short", 0
-        end = prompt - self.hold_back
+        end = prompt - hold_back
         if end < 1:
-            return f"fallback: a prompt of {prompt} tokens is too short to hold back {self.hold_back}", 0
+            return f"fallback: a prompt of {prompt} tokens is too short to hold back {hold_back}", 0
         if end > self.source_positions:
             return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
         if self.prefix_caching and not in_namespace(request.cache_salt, self.namespace):
@@ -288,12 +290,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         status, tokens = self.decide(request, num_computed_tokens)
         self._status[request.request_id] = status
         self._tokens[request.request_id] = tokens
+        self._ends[request.request_id] = num_computed_tokens + tokens
         return tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens == 0:
             return
-        end = len(request.prompt_token_ids) - self.hold_back
+        end = self._ends[request.request_id]
         self._planned[request.request_id] = Load(request.request_id, list(request.prompt_token_ids[:end]),
                                                  end - num_external_tokens, end, list(blocks.get_block_ids()[0]))
 
@@ -305,15 +308,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         for rid, (status, ms) in getattr(meta, "outcomes", {}).items():
-            if rid in self._status:
+            self._stats.data["map_ms"] += ms
+            if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = ms
-                self._stats.data["map_ms"] += ms
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         status = self._status.pop(rid, None)
         tokens, ms = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None)
+        self._ends.pop(rid, None)
         self._planned.pop(rid, None)
         if status is None:
             return False, None

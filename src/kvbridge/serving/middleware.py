@@ -15,7 +15,7 @@ import json
 import os
 
 from ..errors import InputError
-from .config import PARAM, request_mode, salted
+from .config import PARAM, request_hold_back, request_mode, salted
 
 ENV = "KVBRIDGE_SERVE"
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -25,6 +25,7 @@ def rewrite(data, mode: str, namespace: str):
     """The request body a kvbridge server hands vLLM (InputError: the 400's message)."""
     params = data.get("kv_transfer_params")
     chosen = request_mode(params, mode)
+    request_hold_back(params)
     data["kv_transfer_params"] = {**(params or {}), PARAM: chosen}
     if chosen != "native":
         data["cache_salt"] = salted(namespace, data.get("cache_salt"))

@@ -10,6 +10,7 @@ prefix-cache namespace. Options kvbridge does not know go to ``vllm serve`` as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -99,7 +100,21 @@ def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passt
         argv += ["--served-model-name", served_name]
     if config.device == "cpu" and "--enforce-eager" not in given:
         argv.append("--enforce-eager")  # compiling the graph on CPU costs minutes at start and buys little here
+    if "--dtype" not in given:  # one dtype for the engine and the connector: the mapped K/V are written as computed
+        from ..models import resolve_dtype
+
+        argv += ["--dtype", str(resolve_dtype(config.dtype, config.device)).replace("torch.", "")]
     return argv + passthrough
+
+
+def cpu_defaults() -> None:
+    """vLLM's CPU settings for a server that shares its machine (each only where the environment does not set it):
+    1 GiB of KV cache (vLLM's default takes most of the memory), no thread binding, and every core for torch in
+    the engine's processes (vLLM would drop to one thread, and the connector's source prefill runs on torch too)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                 else os.cpu_count() or 1))
 
 
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
@@ -113,8 +128,7 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
     runtime = preflight(config)
     os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": namespace(config.mapper, runtime)})
     if config.device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes most of the memory
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        cpu_defaults()
     argv = vllm_argv(config, served_name, host, port, list(passthrough or []))
     print(f"kvbridge serve: {config.target} as {served_name!r} on http://{host}:{port}/v1 — default mode "
           f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
@@ -139,3 +153,47 @@ def run_vllm(argv: list[str]) -> None:
     configure_logging_from_args(args)
     command.validate(args)
     command.cmd(args)
+
+
+@contextlib.contextmanager
+def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 300.0):
+    """``kvbridge serve`` with these arguments in a subprocess on 127.0.0.1, its output in ``log_path``; yields the
+    base URL once ``/health`` answers, stops the server on exit. KVBridgeError (with the log's end) when it exits or
+    does not answer in ``timeout_s``."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    args = list(kvbridge_args)
+    if "--port" not in args:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args += ["--port", str(s.getsockname()[1])]
+    url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", *args], stdout=out,
+                                stderr=subprocess.STDOUT)
+    tail = lambda: Path(log_path).read_text(errors="replace")[-3000:]  # noqa: E731
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise KVBridgeError(f"kvbridge serve exited with {proc.returncode}:\n{tail()}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise KVBridgeError(f"kvbridge serve did not answer /health within {timeout_s:.0f} s:\n{tail()}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,162 @@
+"""Time to first token through the engine: native vs mapped requests, side by side, on one running server.
+
+``kvbridge serve-bench`` starts ``kvbridge serve`` (or measures one at ``--url``) and sends completions requests
+through its OpenAI-compatible API with streaming: TTFT is the time from sending a request to its first streamed
+token, as a client sees it. Every request has a prompt of its own (a window of the family's held-out token stream,
+sent as token ids of exactly the stated length), so no request is a prefix-cache hit of another. Per context length
+and concurrency, rounds alternate native and mapped waves of ``concurrency`` simultaneous requests (warm-ups
+first, then timed rounds); each mode's median TTFT over its requests, its p90, and its decode throughput (generated
+tokens per second of wave wall time) are reported, and the speed-up is the ratio of the medians of one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import KVBridgeError
+
+MODES = ("native", "mapped")
+
+
+@dataclass
+class EngineRow:
+    context_tokens: int
+    concurrency: int
+    native_ttft_ms: float
+    mapped_ttft_ms: float
+    ttft_speedup: float
+    native_p90_ms: float
+    mapped_p90_ms: float
+    native_tokens_per_s: float
+    mapped_tokens_per_s: float
+    requests_per_mode: int
+
+
+def token_windows(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` tokens: BOS, then windows of the held-out token stream."""
+    from .. import family
+
+    stream = [t for text in family.heldout_texts() for t in tokenizer(text, add_special_tokens=False,
+                                                                      verbose=False)["input_ids"]]
+    span = len(stream) - length
+    if span <= 0:
+        raise KVBridgeError(f"the held-out texts hold {len(stream)} tokens, too few for {length}-token prompts.")
+    step = max(1, span // max(count, 1))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + stream[(seed * 7919 + i * step) % span:][:length - len(bos)] for i in range(count)]
+
+
+async def _one(client, model: str, ids: list[int], mode: str, new_tokens: int) -> tuple[float, int, str]:
+    """(ms to the first streamed token, tokens generated, the server's kvbridge outcome if it said one)."""
+    start = time.perf_counter()
+    first, tokens = None, 0
+    stream = await client.completions.create(model=model, prompt=ids, max_tokens=new_tokens, temperature=0,
+                                             stream=True, extra_body={"kv_transfer_params": {"kvbridge": mode},
+                                                                      "ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            if first is None:
+                first = time.perf_counter()
+            tokens += 1
+    return 1000 * ((first or time.perf_counter()) - start), tokens, mode
+
+
+async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], concurrencies: list[int],
+                   warmup: int, rounds: int, new_tokens: int, progress) -> list[EngineRow]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rows = []
+    for length, pool in prompts.items():
+        cursor = 0
+        for conc in concurrencies:
+            ttft = {m: [] for m in MODES}
+            rate = {m: [] for m in MODES}
+            for r in range(warmup + rounds):
+                for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # interleaved: drift hits both modes alike
+                    batch = pool[cursor:cursor + conc]
+                    cursor += conc
+                    t0 = time.perf_counter()
+                    done = await asyncio.gather(*(_one(client, model, ids, mode, new_tokens) for ids in batch))
+                    wall = time.perf_counter() - t0
+                    if r >= warmup:
+                        ttft[mode] += [d[0] for d in done]
+                        rate[mode].append(sum(d[1] for d in done) / wall)
+                progress(f"{length} tokens, concurrency {conc}: round {r + 1}/{warmup + rounds}")
+            med = {m: statistics.median(ttft[m]) for m in MODES}
+            p90 = {m: sorted(ttft[m])[int(0.9 * (len(ttft[m]) - 1))] for m in MODES}
+            rows.append(EngineRow(length, conc, med["native"], med["mapped"], med["native"] / med["mapped"],
+                                  p90["native"], p90["mapped"], statistics.median(rate["native"]),
+                                  statistics.median(rate["mapped"]), len(ttft["mapped"])))
+    await client.close()
+    return rows
+
+
+def outcome(url: str, model: str, ids: list[int]) -> str:
+    """What the server says it did with one mapped request (``mapped``, or the fallback's reason)."""
+    from openai import OpenAI
+
+    out = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600).completions.create(
+        model=model, prompt=ids, max_tokens=1, extra_body={"kv_transfer_params": {"kvbridge": "mapped"}})
+    return (out.kv_transfer_params or {}).get("kvbridge", "not reported")
+
+
+def run_engine_bench(url: str, model: str, tokenizer, contexts: list[int], concurrencies: list[int], warmup: int = 2,
+                     rounds: int = 5, new_tokens: int = 16, progress=print) -> dict:
+    """Every row of the benchmark against the server at ``url`` (started with ``kvbridge serve``)."""
+    need = {c: sum(2 * k * (warmup + rounds) for k in concurrencies) for c in contexts}
+    prompts = {c: token_windows(tokenizer, need[c] + 1, c, seed=i) for i, c in enumerate(contexts)}
+    # streamed responses do not carry kv_transfer_params: one probe per length shows the server maps, not falls back
+    for c in contexts:
+        said = outcome(url, model, prompts[c].pop())
+        if said != "mapped":
+            raise KVBridgeError(f"the server did not map a {c}-token prompt ({said}); nothing would be measured.")
+    started = time.perf_counter()
+    rows = asyncio.run(_measure(url, model, prompts, concurrencies, warmup, rounds, new_tokens, progress))
+    return {"url": url, "model": model, "warmup_rounds": warmup, "rounds": rounds, "new_tokens": new_tokens,
+            "seconds": time.perf_counter() - started, "rows": [asdict(r) for r in rows]}
+
+
+def engine_table(report: dict) -> str:
+    lines = ["| Context tokens | Concurrency | Native TTFT | Mapped TTFT | **TTFT speedup** | Native p90 | "
+             "Mapped p90 | Native tok/s | Mapped tok/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['context_tokens']:,} | {r['concurrency']} | {r['native_ttft_ms']:.1f} ms | "
+                     f"{r['mapped_ttft_ms']:.1f} ms | **{r['ttft_speedup']:.2f}×** | {r['native_p90_ms']:.1f} ms | "
+                     f"{r['mapped_p90_ms']:.1f} ms | {r['native_tokens_per_s']:.0f} | {r['mapped_tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot_engine(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for conc in sorted({r["concurrency"] for r in report["rows"]}):
+        rows = [r for r in report["rows"] if r["concurrency"] == conc]
+        x = [r["context_tokens"] for r in rows]
+        ax[0].plot(x, [r["native_ttft_ms"] for r in rows], "o--", label=f"native, concurrency {conc}")
+        ax[0].plot(x, [r["mapped_ttft_ms"] for r in rows], "o-", label=f"mapped, concurrency {conc}")
+        ax[1].plot(x, [r["ttft_speedup"] for r in rows], "o-", label=f"concurrency {conc}")
+    ax[0].set(xlabel="context tokens", ylabel="median TTFT (ms)", title="time to first token through vLLM")
+    ax[1].axhline(1.0, color="gray", lw=0.8)
+    ax[1].set(xlabel="context tokens", ylabel="native ÷ mapped", title="TTFT speed-up")
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_report(report: dict, json_path: str) -> None:
+    """``json_path`` and, beside it, the table as ``.md``."""
+    from ..outputs import write_text
+
+    write_text(json_path, json.dumps(report, indent=2) + "\n")
+    write_text(str(Path(json_path).with_suffix(".md")), engine_table(report) + "\n")

@@ -1,0 +1,82 @@
+"""Retention through the engine: the family tasks scored by vLLM from prefixes the connector mapped, beside Bridge.
+
+Every family task is a log-likelihood (teacher-forced) task, so one scoring path serves them all: a request's prompt
+is the context and the continuation, the connector maps all of it but the last ``hold_back + len(continuation)``
+tokens (``kvbridge_hold_back``), and vLLM's ``prompt_logprobs`` give the target's log-probability and rank of each
+continuation token over the mapped context. Native, source and floors come from Bridge on the same rows (one
+reference run), so the engine's column differs from Bridge's mapped column only by the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ..scoring import Score
+from .config import HOLD_BACK, PARAM, ServeConfig
+
+
+class EngineScorer:
+    """``score_ids`` (as :meth:`kvbridge.Bridge.score_ids`) through a vLLM engine that has the kvbridge connector."""
+
+    def __init__(self, llm, config: ServeConfig, tokenizer, hold_back: int, batch: int = 64):
+        self.llm, self.config, self.tokenizer, self.hold_back, self.batch = llm, config, tokenizer, hold_back, batch
+
+    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped"
+                  ) -> list[Score]:
+        from vllm import SamplingParams
+
+        from . import mapped_request
+
+        out = []
+        for i in range(0, len(contexts), self.batch):
+            items, params = [], []
+            for ctx, cont in zip(contexts[i:i + self.batch], continuations[i:i + self.batch]):
+                item, extra = mapped_request(list(ctx) + list(cont), self.config, mode)
+                extra["kv_transfer_params"][HOLD_BACK] = self.hold_back + len(cont)
+                items.append(item)
+                params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, extra_args=extra))
+            for o, ctx, cont in zip(self.llm.generate(items, params, use_tqdm=False), contexts[i:], continuations[i:]):
+                if mode != "native" and (o.kv_transfer_params or {}).get(PARAM) != "mapped":
+                    raise RuntimeError(f"the engine did not map a scoring request: {o.kv_transfer_params}")
+                entries = o.prompt_logprobs[len(ctx):len(ctx) + len(cont)]
+                logprob = sum(e[t].logprob for e, t in zip(entries, cont))
+                correct = sum(int(e[t].rank == 1) for e, t in zip(entries, cont))
+                if not math.isfinite(logprob):
+                    raise RuntimeError("the engine returned a non-finite log-probability")
+                out.append(Score(logprob, correct == len(cont), correct, len(cont)))
+        return out
+
+
+def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: int, lengths: list[int],
+                     progress=print) -> dict:
+    """Per length: the family tasks with Bridge (native, source, mapped) and the engine's mapped column."""
+    from ..evaluate import family_tasks, mean_retention
+
+    scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
+    report = {"items": items, "lengths": {}}
+    for length in lengths:
+        started = time.perf_counter()
+        ref = family_tasks(bridge, texts, items, length)
+        progress(f"{length} tokens: Bridge done ({time.perf_counter() - started:.0f} s)")
+        eng = family_tasks(scorer, texts, items, length, reference=ref)
+        progress(f"{length} tokens: engine done ({time.perf_counter() - started:.0f} s)")
+        report["lengths"][str(length)] = {
+            "bridge": [r.to_dict() for r in ref], "engine": [r.to_dict() for r in eng],
+            "bridge_mean_retention": mean_retention(ref), "engine_mean_retention": mean_retention(eng)}
+    return report
+
+
+def retention_rows(report: dict) -> str:
+    lines = ["| Tokens | Task | Native | Source alone | Bridge mapped | vLLM mapped | Bridge retention | "
+             "vLLM retention |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for length, block in report["lengths"].items():
+        for b, e in zip(block["bridge"], block["engine"]):
+            fmt = (lambda v: f"{100 * v:.1f}%") if b["higher_is_better"] else (lambda v: f"{v:.2f}")  # noqa: E731
+            lines.append(f"| {int(length):,} | {b['task']} | {fmt(b['native'])} | {fmt(b['source'])} | "
+                         f"{fmt(b['mapped'])} | {fmt(e['mapped'])} | {100 * b['floor_normalized_retention']:.1f}% | "
+                         f"{100 * e['floor_normalized_retention']:.1f}% |")
+        bridge, engine = block["bridge_mean_retention"], block["engine_mean_retention"]
+        lines.append(f"| {int(length):,} | **mean floor-normalized retention** | | | | | **{100 * bridge:.1f}%** | "
+                     f"**{100 * engine:.1f}%** |")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""The serving layer's pure parts, without an engine: settings, request modes, the mapper's namespace, the HTTP
+rewrite, vLLM's arguments (the llama-4 query scaling override pinned)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvbridge import family
+from kvbridge.errors import InputError
+from kvbridge.serving.config import (
+    NAMESPACE_PREFIX,
+    ServeConfig,
+    engine_kwargs,
+    in_namespace,
+    llama4_scaling,
+    namespace,
+    request_mode,
+    salted,
+)
+from kvbridge.serving.middleware import rewrite
+
+
+def config(**kw) -> ServeConfig:
+    return ServeConfig(mapper=family.mapper_path(), source=family.source_path(), target=family.target_path(), **kw)
+
+
+def test_request_modes_and_their_errors():
+    assert request_mode(None, "auto") == "auto"
+    assert request_mode({}, "native") == "native"
+    assert request_mode({"kvbridge": "mapped", "other_connector": 1}, "native") == "mapped"
+    for bad in ({"kvbridge": "fast"}, {"kvbridge": None}, "mapped", [1], 3):
+        with pytest.raises(InputError, match="kv_transfer_params"):
+            request_mode(bad, "mapped")
+
+
+def test_settings_are_validated_and_unknown_options_refused():
+    assert ServeConfig.from_extra(config().to_extra()) == config()
+    with pytest.raises(InputError, match="unknown connector option"):
+        ServeConfig.from_extra({**config().to_extra(), "hold_bak": 2})
+    for bad in (dict(mode="fast"), dict(min_tokens=1), dict(min_tokens=True), dict(runtime={"recompte": 0.1})):
+        with pytest.raises(InputError):
+            config(**bad)
+
+
+def test_namespace_belongs_to_the_mapper_and_its_runtime_options(tmp_path):
+    a = namespace(family.mapper_path(), {"recompute": 0.04})
+    assert a.startswith(NAMESPACE_PREFIX) and a == namespace(family.mapper_path(), {"recompute": 0.04})
+    assert a != namespace(family.mapper_path(), {"recompute": 0.0})
+    other = tmp_path / "m"
+    shutil.copytree(family.mapper_path(), other)
+    (other / "checksums.sha256").write_text((other / "checksums.sha256").read_text().replace("a", "b", 1))
+    assert namespace(other, {"recompute": 0.04}) != a
+    assert in_namespace(salted(a, None), a) and in_namespace(salted(a, "user-1"), a)
+    assert not in_namespace(None, a) and not in_namespace("user-1", a) and not in_namespace(a + "x", a)
+    with pytest.raises(InputError, match="at most"):
+        salted(a, "s" * 120)
+
+
+def test_rewrite_sets_the_default_mode_and_salts_only_requests_that_may_be_mapped():
+    ns = NAMESPACE_PREFIX + "0" * 32
+    assert rewrite({"prompt": "x"}, "mapped", ns) == {"prompt": "x", "kv_transfer_params": {"kvbridge": "mapped"},
+                                                       "cache_salt": ns}
+    native = rewrite({"prompt": "x", "cache_salt": "mine", "kv_transfer_params": {"kvbridge": "native"}}, "auto", ns)
+    assert native["cache_salt"] == "mine"  # native requests keep the exact namespace they asked for
+    assert rewrite({"prompt": "x", "cache_salt": "mine"}, "auto", ns)["cache_salt"] == f"{ns}:mine"
+    with pytest.raises(InputError):
+        rewrite({"prompt": "x", "kv_transfer_params": {"kvbridge": "all"}}, "mapped", ns)
+
+
+def test_the_llama4_query_scaling_reaches_vllm(tmp_path):
+    """vLLM applies Ministral-3's position-dependent query scaling only from a top-level llama_4_scaling; the
+    family's config keeps it in rope_parameters (beta 0.1, original 512): without the override vLLM serves another
+    model past 512 positions (the engine tests pin the outputs)."""
+    rope = json.loads((family.CHECKPOINTS / "target" / "config.json").read_text())["rope_parameters"]
+    expected = {"llama_4_scaling": {"original_max_position_embeddings": rope["original_max_position_embeddings"],
+                                    "beta": rope["llama_4_scaling_beta"]}}
+    assert llama4_scaling(family.target_path()) == expected
+    kwargs = engine_kwargs(config(), dtype="float32")
+    assert kwargs["hf_overrides"] == expected and kwargs["model"] == family.target_path()
+    assert kwargs["kv_transfer_config"]["kv_load_failure_policy"] == "recompute"  # a failed map is prefilled natively
+    assert engine_kwargs(model=family.target_path())["hf_overrides"] == expected  # the native baseline too
+    # a multimodal repo keeps it in its text config
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"text_config": {"rope_parameters": rope}}))
+    assert llama4_scaling(vlm) == {"text_config": expected}
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"rope_parameters": {"rope_type": "default"}}))
+    assert llama4_scaling(plain) is None
+
+
+def test_vllm_arguments_and_the_pair_check(tmp_path):
+    from kvbridge.errors import CompatibilityError
+    from kvbridge.serving.server import preflight, vllm_argv
+
+    argv = vllm_argv(config(), "fam", "127.0.0.1", 8123, ["--max-num-seqs", "4"])
+    assert argv[:2] == ["serve", family.target_path()] and argv[-2:] == ["--max-num-seqs", "4"]
+    assert argv[argv.index("--dtype") + 1] == "float32"  # the connector's dtype on CPU: one dtype on both sides
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == "KVBridgeConnector"
+    assert "--enforce-eager" in argv and argv[argv.index("--served-model-name") + 1] == "fam"
+    assert vllm_argv(config(), "fam", "127.0.0.1", 1, ["--dtype", "bfloat16"]).count("--dtype") == 1
+    assert preflight(config())["hold_back"] >= 1
+    # swapped pair: refused before any engine starts
+    with pytest.raises(CompatibilityError):
+        preflight(ServeConfig(mapper=family.mapper_path(), source=family.target_path(), target=family.source_path()))
+    broken = tmp_path / "broken"
+    shutil.copytree(family.mapper_path(), broken)
+    data = bytearray((broken / "mapper.safetensors").read_bytes())
+    data[-1] ^= 1
+    (broken / "mapper.safetensors").write_bytes(bytes(data))
+    with pytest.raises(Exception, match="does not verify"):
+        preflight(ServeConfig(mapper=str(broken), source=family.source_path(), target=family.target_path()))
+
+
+def test_serve_refuses_bad_pairs_in_one_line(capsys, tmp_path):
+    from kvbridge.cli import main
+
+    assert main(["serve", "--source", family.source_path()]) == 1
+    assert "together" in capsys.readouterr().err
+    assert main(["serve", "--mapper", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvbridge serve: error:") and "Traceback" not in err
+    assert main(["serve", "--mapper", family.mapper_path(), "--source", family.target_path(), "--target",
+                 family.source_path()]) == 1
+    assert "kvbridge serve: error:" in capsys.readouterr().err
+
+
+def test_break_even_reads_a_bench_file(tmp_path):
+    from kvbridge.serving.server import break_even
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"rows": [{"context_tokens": 64, "ttft_speedup": 0.7},
+                                         {"context_tokens": 512, "ttft_speedup": 1.2},
+                                         {"context_tokens": 256, "ttft_speedup": 1.01}]}))
+    assert break_even(str(path)) == 256
+    path.write_text(json.dumps({"rows": [{"context_tokens": 64, "ttft_speedup": 0.7}]}))
+    with pytest.raises(InputError, match="never map"):
+        break_even(str(path))
+    path.write_text("{")
+    with pytest.raises(InputError, match="not a kvbridge bench"):
+        break_even(str(path))
