@@ -139,3 +139,27 @@ def test_bounded_load_mixed_modes_each_answer_as_alone(engine):
         assert status[i]["kvbridge"] == "mapped" and outs[i] == alone[0], i
     for i in (2, 5):  # auto: long prompts mapped, short ones native
         assert status[i]["kvbridge"] == ("mapped" if len(rows[i]) >= config.min_tokens else "short")
+
+
+def test_scores_through_the_engine_equal_bridge_and_skipped_loads_are_not_called_mapped(engine):
+    from vllm import SamplingParams
+
+    from kvbridge import family
+    from kvbridge.evaluate import family_tasks
+    from kvbridge.serving import mapped_request
+    from kvbridge.serving.quality import EngineScorer
+
+    llm, config, bridge = engine
+    texts = family.heldout_texts()
+    ref = family_tasks(bridge, texts, 4, 192)
+    eng = family_tasks(EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back), texts, 4, 192, reference=ref)
+    for r, e in zip(ref, eng):
+        assert e.mapped == pytest.approx(r.mapped, rel=1e-3, abs=1e-3), r.task
+    # vLLM skips the prefix cache (and the connector's load) for prompt_logprobs requests unless told not to: the
+    # response must not call such a request mapped
+    ids = prompts(bridge, (300,), offset=50)[0]
+    item, extra = mapped_request(ids, config)
+    out = llm.generate([item], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, detokenize=False,
+                                              extra_args=extra), use_tqdm=False)[0]
+    assert out.kv_transfer_params["kvbridge"].startswith("fallback: the request skips the prefix cache")
+    assert list(out.outputs[0].token_ids) == reference(bridge, ids, "native")[:2]

@@ -926,7 +926,10 @@ def _cmd_serve_eval(args) -> int:
     bridge = Bridge.from_pretrained(config.source, config.target, config.mapper, device=config.device, dtype=dtype,
                                     allow_revision_mismatch=config.allow_revision_mismatch, **config.runtime)
     llm = LLM(**engine_kwargs(config, dtype=str(dtype).replace("torch.", ""), enforce_eager=config.device == "cpu"))
-    report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, lambda m: _log(m))
+    try:
+        report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, _log)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # now: vLLM's threads abort the process at interpreter exit
     print(retention_rows(report))
     if args.json:
         write_text(args.json, json.dumps(report, indent=2) + "\n")

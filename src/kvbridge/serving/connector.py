@@ -279,6 +279,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return f"fallback: a prompt of {prompt} tokens is too short to hold back {hold_back}", 0
         if end > self.source_positions:
             return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
+        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM would drop what the connector loads
+            return ("fallback: the request skips the prefix cache (vLLM's default with prompt_logprobs); set "
+                    "skip_reading_prefix_cache=False to score over a mapped prefix"), 0
         if self.prefix_caching and not in_namespace(request.cache_salt, self.namespace):
             return ("fallback: prefix caching is on and the request's cache_salt is not in the mapper's namespace "
                     "(send it through kvbridge serve, or use kvbridge.serving.mapped_prompt)"), 0
@@ -294,6 +297,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        rid = request.request_id
+        if num_external_tokens < self._tokens.get(rid, 0):  # the engine took less than was claimed: never say mapped
+            self._status[rid] = "fallback: the engine did not load the mapped prefix"
+            self._tokens[rid] = num_external_tokens
         if num_external_tokens == 0:
             return
         end = self._ends[request.request_id]
