@@ -44,6 +44,7 @@ from .outputs import check_output_dir, umask
 from .schema import CONFIG_FILE, FORMAT
 
 WEIGHTS_FILE = "mapper.safetensors"
+BINDING_TAG = ";computation="  # in the weights file's format tag: see write_artifact
 CHECKSUMS_FILE = "checksums.sha256"
 RUN_REPORT_FILE = "fit_report.json"  # volatile measurements of the fit: not part of the artifact's identity
 ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
@@ -95,14 +96,18 @@ def check_writable_artifact_dir(directory: str | Path) -> None:
 
 
 def write_artifact(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                   run_report: dict[str, Any] | None = None) -> Path:
+                   run_report: dict[str, Any] | None = None, binding: str | None = None) -> Path:
     """Write ``mapper.safetensors`` (``tensors`` as given: CPU, contiguous), ``mapper.json`` (``config``),
-    ``checksums.sha256`` over those two and, if given, ``fit_report.json``; atomically.
+    ``checksums.sha256`` over those two and, if given, ``fit_report.json``; atomically. ``binding``: a digest of
+    the config fields that change the computation without changing a tensor's shape, stored in the weights
+    file's header (:func:`header_problems` compares it), so an edit of them fails verification even resealed.
 
     An existing folder at ``directory`` is replaced only on success. Saves to one folder queue on a lock
     of its parent folder (POSIX, where the filesystem has locks), so concurrent saves never interleave:
     the last one wins. Under that lock, leftovers of a save that was killed are restored or removed first.
     """
+    from safetensors import SafetensorError
+
     directory = _artifact_path(directory)
     check_writable_artifact_dir(directory)
     try:
@@ -113,24 +118,26 @@ def write_artifact(directory: str | Path, config: dict[str, Any], tensors: dict[
             check_writable_artifact_dir(directory)  # again: another process may have written it meanwhile
             tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
             try:
-                _write_files(tmp, config, tensors, run_report)
+                _write_files(tmp, config, tensors, run_report, binding)
                 _swap_in(tmp, directory)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-    except OSError as exc:
-        raise ArtifactError(f"cannot write the artifact to {directory} ({exc.strerror or exc}); nothing was "
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error, not an OSError
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        raise ArtifactError(f"cannot write the artifact to {directory} ({reason}); nothing was "
                             "changed there. Check the disk space and permissions, or choose another folder.") from None
     return directory
 
 
 def _write_files(tmp: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                 run_report: dict[str, Any] | None) -> None:
+                 run_report: dict[str, Any] | None, binding: str | None = None) -> None:
     from safetensors.torch import save_file
 
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; an artifact folder follows the umask
     # one metadata key: safetensors orders several keys at random, and identical mappers must hash alike
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": f"{FORMAT}/{config.get('format_version')}"})
+    tag = f"{FORMAT}/{config.get('format_version')}" + (f"{BINDING_TAG}{binding}" if binding else "")
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": tag})
     with open(tmp / CONFIG_FILE, "w", encoding="utf-8") as handle:
         json.dump(config, handle, indent=2, sort_keys=False)
         handle.write("\n")
@@ -275,11 +282,11 @@ def _missing_hint(path_or_repo_id: str | Path) -> None:
 def read_checksums(directory: Path) -> dict[str, str]:
     path = directory / CHECKSUMS_FILE
     if not path.is_file():
-        raise ArtifactError(f"{path} is missing: the artifact is incomplete. Re-download or re-save it")
+        raise ArtifactError(f"{path} is missing: the artifact is incomplete")  # (callers say what to do)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ArtifactError(f"{path} is not text (a corrupted byte?); re-download or re-save the artifact.") from None
+        raise ArtifactError(f"{path} is not text (a corrupted byte?)") from None
     sums = {}
     for line in text.splitlines():
         if line.strip():  # "<digest>  <name>" (text mode) or "<digest> *<name>" (sha256sum -b)
@@ -341,17 +348,23 @@ def read_run_report(directory: str | Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def header_problems(directory: str | Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> list[str]:
+def header_problems(directory: str | Path, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
+                    binding: str | None = None) -> list[str]:
     """Differences between the weights file's header and the expected tensor names, shapes and dtype codes
-    (``F32``, ``I64``); reads the header only."""
+    (``F32``, ``I64``) and, when the file records one (artifacts written since it existed), the ``binding``
+    digest of the config; reads the header only."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(Path(directory) / WEIGHTS_FILE), framework="pt") as handle:
             found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
             codes = {name: handle.get_slice(name).get_dtype() for name in handle.keys()}
+            tag = (handle.metadata() or {}).get("format", "")
     except (SafetensorError, OSError) as exc:
         return [f"{WEIGHTS_FILE} cannot be read ({exc})"]
+    if binding and BINDING_TAG in tag and tag.split(BINDING_TAG, 1)[1] != binding:
+        return [f"{CONFIG_FILE}'s layer selection, levers or geometry differ from those {WEIGHTS_FILE} was fitted "
+                "with (edited after the fit)"]
     problems = [f"missing tensor {n}" for n in sorted(set(shapes) - set(found))]
     problems += [f"unexpected tensor {n}" for n in sorted(set(found) - set(shapes))]
     problems += [f"tensor {n} has shape {found[n]}, expected {s}" for n, s in shapes.items()

@@ -390,18 +390,57 @@ def _file_entry(folder: Path, name: str, in_checksums: bool) -> dict:
     return {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "in_checksums": in_checksums}
 
 
+def foreign_card_files(folder: Path) -> list[str]:
+    """The card files in ``folder`` that an earlier ``kvbridge card`` did not write as they are now (a user's own
+    README.md, an edited example.py, a manifest of something else): a card must not overwrite them unasked. A file
+    is the card's when the folder's kvbridge manifest lists it with its current SHA-256 (the manifest: when it is a
+    kvbridge manifest at all)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+        ours = manifest.get("format") == MANIFEST_FORMAT
+        recorded = {f["name"]: f["sha256"] for f in manifest.get("files", []) if isinstance(f, dict)} if ours else {}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError, RecursionError):
+        ours, recorded = False, {}
+    foreign = []
+    for name in CARD_FILES:
+        path = folder / name
+        if not path.exists():
+            continue
+        if name == MANIFEST_FILE:
+            mine = ours
+        else:
+            try:
+                mine = path.is_file() and recorded.get(name) == sha256_file(path)
+            except OSError:
+                mine = False
+        if not mine:
+            foreign.append(name)
+    return foreign
+
+
 def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_json: str | Path | None = None,
                frontier_dir: str | Path | None = None, demo_json: str | Path | None = None,
-               demo: dict | None = None, repo_id: str | None = None, license_id: str = "mit") -> list[Path]:
+               demo: dict | None = None, repo_id: str | None = None, license_id: str = "mit",
+               force: bool = False) -> list[Path]:
     """Write README.md, artifact_manifest.json and example.py into ``artifact``; returns their paths.
 
     Results come from the folders/files kvbridge commands wrote (``demo``: the figures ``run_demo``
     returns, in place of ``demo_json``). The artifact must verify first: a card never describes a
-    corrupted mapper.
+    corrupted mapper. Card files that an earlier card did not write (:func:`foreign_card_files`) are
+    replaced only with ``force``.
     """
-    if not isinstance(license_id, str) or not license_id.strip():
-        raise InputError("--license must name a license (e.g. mit, apache-2.0, other).")
+    if not isinstance(license_id, str) or not license_id.strip() or any(c in license_id for c in "\n\r"):
+        raise InputError("--license must name a license on one line (e.g. mit, apache-2.0, other).")
+    if repo_id is not None:
+        from .hub import check_repo_id
+
+        check_repo_id(repo_id, "--repo-id")
     folder = require_verified(artifact, "written")
+    foreign = [] if force else foreign_card_files(folder)
+    if foreign:
+        raise InputError(f"{folder} holds {', '.join(foreign)} that kvbridge card did not write (or that were edited "
+                         "since); the card would replace them. Move them away, or pass --force (force=True) to "
+                         "overwrite. Nothing was written.")
     config, run = read_config(folder), read_run_report(folder)
     eval_data = read_eval(eval_dir) if eval_dir else None
     bench = read_bench(bench_json) if bench_json else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import KVBridgeError
-from .outputs import check_output_dir, check_output_file, write_text
+from .outputs import check_output_dir, check_output_file, check_plot_file, write_text
 
 EPILOG = "Models are local folders or hub ids (pin them with --source-revision/--target-revision)."
 
@@ -220,8 +220,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--hold-back", type=int, default=None,
                      help="last prompt tokens the target reads itself (default: the artifact's runtime option)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (with --sample)")
+    gen.add_argument("--temperature", type=float, help="sampling temperature (with --sample; default: 0.7)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling (with --sample; default: 0.95)")
     gen.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
     gen.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
 
@@ -347,6 +347,9 @@ def _parser() -> argparse.ArgumentParser:
     card.add_argument("--demo", help="demo.json `kvbridge demo --out` wrote: family-task retention and latency")
     card.add_argument("--repo-id", help="hub id the artifact will be pushed to, for the usage snippets")
     card.add_argument("--license", default="mit", help="license of the mapper in the card's metadata (default: mit)")
+    card.add_argument("--force", action="store_true",
+                      help="replace README.md, example.py or artifact_manifest.json even when an earlier card did not "
+                           "write them (by default those are refused, so a file of yours is never overwritten)")
 
     push = sub.add_parser("push", help="verify an artifact, then upload it to the Hugging Face Hub",
                           description="Verifies the artifact, creates the hub repo if needed and uploads the "
@@ -465,22 +468,34 @@ def _cmd_generate(args) -> int:
         raise KVBridgeError("--max-new-tokens must be at least 1.")
     if not 0 <= args.seed < 2**63:
         raise KVBridgeError(f"--seed must be an integer from 0 to 2**63 - 1, not {args.seed}.")
+    if not args.sample and (args.temperature is not None or args.top_p is not None):
+        raise KVBridgeError("--temperature and --top-p apply to sampling only: add --sample, or drop them for greedy "
+                            "decoding.")
     bridge = _bridge(args)
     kwargs = {}
     if args.sample:
-        kwargs = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-    runs = [("mapped", "source prefill → mapper → target")]
-    if args.compare:
-        runs.insert(0, ("native", "target prefills itself"))
+        kwargs = {"do_sample": True, "temperature": 0.7 if args.temperature is None else args.temperature,
+                  "top_p": 0.95 if args.top_p is None else args.top_p}
+    runs = ["native", "mapped"] if args.compare else ["mapped"]
     results = {}
-    for mode, _ in runs:
+    for mode in runs:
         torch.manual_seed(args.seed)
         results[mode] = bridge.generate(args.prompt, mode=mode, max_new_tokens=args.max_new_tokens, **kwargs)
     for i, prompt in enumerate(args.prompt):
         print(f"=== prompt {i}: {_clip(prompt, 70)!r}")
-        for mode, label in runs:
+        for mode in runs:
             g = results[mode]
+            held, total = g.held_back, g.prefilled[i] + g.held_back
+            label = ("target prefills itself" if mode == "native" else
+                     f"the source prefilled {g.prefilled[i]} of {total} prompt tokens → mapper → target, which read "
+                     f"the last {held} itself")
             print(f"--- {mode} ({label}), {g.seconds * 1000:.1f} ms for the batch")
+            if mode == "mapped" and held < bridge.hold_back:
+                print(f"    note: hold-back {bridge.hold_back} was asked for, but the batch's shortest prompt has "
+                      f"{held + 1} tokens: the target read {held} itself")
+            if mode == "mapped" and g.prefilled[i] * 2 < total:
+                print(f"    note: less than half of this prompt was mapped ({g.prefilled[i]} of {total} tokens): "
+                      "the answer is mostly the target's own")
             print(g.texts[i].strip() or "(empty)")
         if args.compare:
             a, b = results["native"].token_ids[i], results["mapped"].token_ids[i]
@@ -537,9 +552,10 @@ def _cmd_bench(args) -> int:
     contexts = _contexts(args.contexts, minimum=2)  # one token is the held-back one: nothing to map
     if args.trials < 1 or args.warmup < 0 or args.batch < 1:
         raise KVBridgeError("--trials must be >= 1, --warmup >= 0, --batch >= 1.")
-    for flag in ("json", "plot"):
-        if getattr(args, flag):
-            check_output_file(getattr(args, flag), f"--{flag}")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_plot_file(args.plot, "--plot")
     if args.plot:
         _require("matplotlib", "plot", "kvbridge bench --plot")
     bridge = _bridge(args)
@@ -627,6 +643,9 @@ def _cmd_diagnose(args) -> int:
     check_output_dir(args.out)
     _require("matplotlib", "plot", "kvbridge diagnose (its plots)")
     bridge = _bridge(args)
+    if args.seq_len > bridge.max_positions:
+        raise KVBridgeError(f"--seq-len {args.seq_len} exceeds the {bridge.max_positions} positions these models "
+                            f"support; pass at most {bridge.max_positions}.")
     report = diagnose(bridge, texts, args.items, args.seq_len)
     if args.oracle:
         report["oracle"] = oracle(bridge, texts, args.items, args.seq_len)
@@ -680,6 +699,9 @@ def _cmd_lm_eval(args) -> int:
         cli_evaluate()
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except ValueError as exc:  # lm-eval's own refusals (unknown tasks, bad arguments) arrive as ValueError
+        raise KVBridgeError(f"lm-eval refused the run: {str(exc).splitlines()[0] if str(exc) else exc!r} (`kvbridge "
+                            "lm-eval ls tasks` lists the tasks it knows, kvbridge's offline ones included).") from None
     finally:
         sys.argv = saved
         if folder is not None:
@@ -689,15 +711,15 @@ def _cmd_lm_eval(args) -> int:
 
 def _cmd_inspect(args) -> int:
     from .artifact import CONFIG_FILE, read_run_report, resolve
-    from .mapper import read_config
+    from .mapper import check_mapper, read_config
 
     directory = resolve(args.mapper, args.revision)
+    problems = check_mapper(directory)
+    if problems:  # nothing of an artifact that fails verification can be trusted, its summary included
+        raise KVBridgeError(f"{directory} fails verification ({'; '.join(problems[:2])}); nothing to show. "
+                            "`kvbridge verify` lists every problem; re-download or refit the mapper.")
     config = read_config(directory)
     run = read_run_report(directory)
-    missing = [n for n in ("mapper.safetensors", "checksums.sha256") if not (Path(directory) / n).is_file()]
-    if missing:
-        _log(f"note: {', '.join(missing)} missing beside {CONFIG_FILE}: this describes an incomplete artifact "
-             "(`kvbridge verify` checks every file).")
     if args.json:
         print((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"), end="")
         return 0
@@ -763,7 +785,7 @@ def _cmd_card(args) -> int:
     from .card import write_card
 
     written = write_card(args.mapper, eval_dir=args.eval, bench_json=args.bench, frontier_dir=args.frontier,
-                         demo_json=args.demo, repo_id=args.repo_id, license_id=args.license)
+                         demo_json=args.demo, repo_id=args.repo_id, license_id=args.license, force=args.force)
     print("written: " + ", ".join(str(p) for p in written))
     missing = [what for what, given in (("retention (--eval or --demo)", args.eval or args.demo),
                                         ("latency (--bench or --demo)", args.bench or args.demo)) if not given]
@@ -968,9 +990,10 @@ def _cmd_serve_bench(args) -> int:
     concurrency = _contexts(args.concurrency, minimum=1)
     if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
         raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
-    for flag in ("json", "plot"):
-        if getattr(args, flag):
-            check_output_file(getattr(args, flag), f"--{flag}")
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_plot_file(args.plot, "--plot")
     if args.plot:
         _require("matplotlib", "plot", "kvbridge serve-bench --plot")
     _require("openai", "serve", "kvbridge serve-bench")
@@ -1055,8 +1078,23 @@ COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo
             "serve-bench": _cmd_serve_bench, "serve-eval": _cmd_serve_eval}
 
 
+LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
+
+
+def _join_negative_lists(argv: list[str]) -> list[str]:
+    """``--lags -1,0`` as ``--lags=-1,0``: argparse takes a value that starts with "-" for an option (and says
+    "expected one argument"); joined, the value reaches the check that names what is wrong with it."""
+    out = []
+    for arg in argv:
+        if out and out[-1] in LIST_FLAGS and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _join_negative_lists(sys.argv[1:] if argv is None else list(argv))
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
         args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
     elif argv[:1] == ["serve"]:  # options kvbridge does not know belong to `vllm serve`

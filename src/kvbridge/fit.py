@@ -110,6 +110,8 @@ class FitConfig:
 
     def __post_init__(self):
         _check_types(self)
+        if len(set(self.lags)) != len(tuple(self.lags)):
+            raise InputError(f"--lags {','.join(map(str, self.lags))} names a lag twice; give each once, e.g. 0,1,2.")
         object.__setattr__(self, "lags", tuple(sorted(set(int(j) for j in self.lags))))
         if self.lever_layers is not None:
             object.__setattr__(self, "lever_layers", tuple(sorted(set(int(j) for j in self.lever_layers))))
@@ -354,6 +356,13 @@ def check_geometry(config: FitConfig, source_layers: int, target_layers: int, ma
     if config.seq_len > limit:
         raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
                          f"most {limit}.")
+    for flag, value in (("--hold-back", config.hold_back), ("--recompute-window", config.recompute_window)):
+        if value > limit:  # recorded as runtime options: a value no prompt can honour would label native as mapped
+            raise InputError(f"{flag} {value} exceeds the {limit} positions these models support; pass at most "
+                             f"{limit}.")
+    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers:
+        raise InputError(f"--lever-count {config.lever_count}: the target has {target_layers} layers; pass at most "
+                         "that.")
     if config.has_levers and config.lever_layers and max(config.lever_layers) >= target_layers:
         raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target_layers} layers "
                          f"(0 to {target_layers - 1}).")

@@ -23,9 +23,15 @@ from .recompute import reading
 
 @dataclass
 class Generation:
+    """New text and token ids per prompt. ``prefilled``: per prompt, the tokens its prefix cache covered — in
+    ``mapped`` mode the ones the source prefilled and the mapper mapped, the target reading the rest itself
+    (``held_back`` per batch: fewer than the bridge's ``hold_back`` when the shortest prompt is shorter)."""
+
     texts: list[str]
     token_ids: list[list[int]]
     seconds: float
+    prefilled: list[int] | None = None
+    held_back: int | None = None
 
 
 @torch.no_grad()
@@ -66,4 +72,6 @@ def generate_texts(bridge, prompts: list[str] | str, mode: str = "mapped", max_n
         torch.cuda.synchronize(new.device)
     seconds = time.perf_counter() - start
     texts = bridge.tokenizer.batch_decode(new.tolist(), skip_special_tokens=True)
-    return Generation(texts=texts, token_ids=new.tolist(), seconds=seconds)
+    held = bridge.held_back(mask)
+    return Generation(texts=texts, token_ids=new.tolist(), seconds=seconds,
+                      prefilled=[int(n) - held for n in mask.sum(-1)], held_back=held)

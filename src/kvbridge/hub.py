@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import KVBridgeError
+from .errors import InputError, KVBridgeError
 
 _SNAPSHOT_RE = re.compile(r"snapshots[/\\]([0-9a-f]{40})(?:[/\\]|$)")
 
@@ -87,6 +87,19 @@ def snapshot(
     return Path(local), (match.group(1) if match else revision)
 
 
+def check_repo_id(repo_id: str, flag: str, error_cls: type[KVBridgeError] = InputError) -> None:
+    """Refuse what the hub would refuse as a model repo id (owner/name), before any work."""
+    from huggingface_hub import errors as hub_errors
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except (hub_errors.HFValidationError, TypeError) as exc:
+        raise error_cls(f"{flag} {repo_id!r} is not a hub id ({exc}); use owner/name.") from None
+    if repo_id.count("/") != 1:
+        raise error_cls(f"{flag} {repo_id!r} must name an owner: owner/name.")
+
+
 def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KVBridgeError], private: bool = False,
                 create_pr: bool = False, token: str | None = None, commit_message: str = "Upload kvbridge mapper",
                 delete: list[str] | None = None) -> tuple[str, str, str | None]:
@@ -98,14 +111,8 @@ def push_folder(folder: Path, repo_id: str, files: list[str], error_cls: type[KV
     """
     from huggingface_hub import HfApi, get_token
     from huggingface_hub import errors as hub_errors
-    from huggingface_hub.utils import validate_repo_id
 
-    try:
-        validate_repo_id(repo_id)
-    except hub_errors.HFValidationError as exc:
-        raise error_cls(f"--repo-id {repo_id!r} is not a hub id ({exc}); use owner/name.") from None
-    if repo_id.count("/") != 1:
-        raise error_cls(f"--repo-id {repo_id!r} must name an owner: owner/name.")
+    check_repo_id(repo_id, "--repo-id", error_cls)
     if _offline():
         raise error_cls("HF_HUB_OFFLINE is set: nothing can be pushed. Unset it (and check the network), then retry.")
     token = token or None  # an empty --token is no token

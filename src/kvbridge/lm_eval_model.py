@@ -69,6 +69,9 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
+LM_EVAL_EXTRAS = {"max_batch_size"}  # what lm-eval's evaluator passes every model beside batch_size and device
+
+
 @register_model("kvbridge")
 class KVBridgeLM(TemplateLM):
     """``lm_eval --model kvbridge --model_args source=…,target=…,mapper=…,mode=mapped``."""
@@ -79,8 +82,15 @@ class KVBridgeLM(TemplateLM):
                  source_revision: str | None = None, target_revision: str | None = None,
                  mapper_revision: str | None = None,
                  allow_revision_mismatch: bool | str = False, rolling_chunk: int | str = 256,
-                 bridge: Bridge | None = None, **_ignored):
+                 bridge: Bridge | None = None, **extra):
         super().__init__()
+        unknown = sorted(set(extra) - LM_EVAL_EXTRAS)  # lm-eval adds max_batch_size itself; anything else is a typo
+        if unknown:
+            import inspect
+
+            known = [p for p in inspect.signature(KVBridgeLM.__init__).parameters if p not in ("self", "extra")]
+            raise InputError(f"unknown model_args {', '.join(unknown)}; the kvbridge model takes "
+                             f"{', '.join(known)}.")
         self.rolling_chunk = _int(rolling_chunk, "rolling_chunk")
         if self.rolling_chunk < 1:
             raise InputError("rolling_chunk must be at least 1 token.")

@@ -233,6 +233,11 @@ class MapperConfig:
             if (lever.kind, lever.layer) in seen:
                 raise ArtifactError(f"two levers for the {lever.kind}s of target layer {lever.layer}.")
             seen.add((lever.kind, lever.layer))
+        limit = min(p for p in (self.source.max_positions, self.target.max_positions, 1 << 62) if p)
+        for name in ("hold_back", "recompute_window"):  # the runtime's lengths are bounded by the models' positions
+            if getattr(self.runtime, name) > limit:
+                raise ArtifactError(f"runtime {name} is {getattr(self.runtime, name)}, more than the {limit} positions "
+                                    "the models support; the file was edited or is corrupted.")
         widths = sorted({v.state for v in self.levers if v.state})
         if len(widths) > 1:
             raise ArtifactError(f"levers read source states of different widths {widths}; one source has one hidden "
@@ -296,6 +301,18 @@ class MapperConfig:
         """Name → safetensors dtype code of every tensor on disk: float32 weights, int64 table keys."""
         return {name: "I64" if name in INTEGER_TENSORS else "F32" for name in self.weight_shapes()}
 
+    def computation_digest(self) -> str:
+        """SHA-256 (32 hex digits) of the fields that decide what the weights compute without deciding a tensor's
+        shape — layer selection, levers (lags, inputs), feature layout, geometry — stored beside the weights so that
+        an edit of them, checksums resealed or not, fails verification. Runtime options are not in it: they are
+        meant to be overridden."""
+        from .hashing import sha256_json
+
+        geometry = {role: getattr(self, role).geometry for role in ("source", "target")}
+        return sha256_json({"selection": {k: [list(v) for v in self.selection[k]] for k in sorted(self.selection)},
+                            "levers": [v.to_dict() for v in self.levers], "layout": schema.FEATURE_LAYOUT,
+                            "geometry": geometry})[:32]
+
     # -- mapper.json (the format's name, version and validation: kvbridge.schema) ---------------
     def to_dict(self) -> dict[str, Any]:
         from . import __version__
@@ -322,7 +339,7 @@ class MapperConfig:
         schema.validate(data)
         version = data["format_version"]
         try:
-            return cls(
+            config = cls(
                 source=ModelInfo.from_dict(data["source"]),
                 target=ModelInfo.from_dict(data["target"]),
                 selection={k: tuple(tuple(layers) for layers in data["selection"][k]) for k in KINDS},
@@ -333,6 +350,14 @@ class MapperConfig:
         except (KeyError, TypeError, ValueError) as exc:  # validate() should have named it: a last defence
             raise ArtifactError(f"{schema.CONFIG_FILE} is incomplete or malformed ({exc!r}); "
                                 "re-download or refit the mapper.") from None
+        recorded = {"num_parameters": data.get("num_parameters", config.num_parameters()),
+                    "weights_dtype": data.get("weights_dtype", "float32")}
+        for name, expected in (("num_parameters", config.num_parameters()), ("weights_dtype", "float32")):
+            if recorded[name] != expected:
+                raise ArtifactError(f"{schema.CONFIG_FILE} records {name} {recorded[name]!r}, but its selection and "
+                                    f"levers give {expected!r}; the file was edited or is corrupted. Re-download or "
+                                    "refit the mapper.")
+        return config
 
 
 @dataclass(frozen=True)
@@ -627,9 +652,11 @@ class Mapper:
         is read (a file with junk tensors costs no memory), then tensors are read one at a time onto
         ``device`` (and cast to ``dtype``, residual MLPs and tables excepted).
         """
-        from .models import check_device
+        from .models import check_device, resolve_dtype
 
         check_device(device, "mapper device")
+        if dtype is not None:  # a name ("float16", "bf16") as load_model takes it, or a torch.dtype
+            dtype = resolve_dtype(dtype, device)
         directory = artifact.resolve(path_or_repo_id, revision, "mapper")
         if verify:
             problems = artifact.verify_artifact(directory)
@@ -637,7 +664,8 @@ class Mapper:
                 raise ArtifactError(f"mapper at {directory} failed verification: {'; '.join(problems)}. "
                                     "Re-download or refit it; nothing was loaded.")
         config = read_config(directory)
-        problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes())
+        problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes(),
+                                            config.computation_digest())
         if problems:
             raise ArtifactError(f"{directory / artifact.WEIGHTS_FILE} does not match {schema.CONFIG_FILE}: "
                                 f"{'; '.join(problems[:3])}. Re-download or refit the mapper; nothing was loaded.")
@@ -650,7 +678,8 @@ class Mapper:
         and the fit's ``fit_report.json`` atomically (see :func:`kvbridge.artifact.write_artifact`)."""
         tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
                    for name, t in self.weights.items()}
-        return artifact.write_artifact(directory, self.config.to_dict(), tensors, self.run_report)
+        return artifact.write_artifact(directory, self.config.to_dict(), tensors, self.run_report,
+                                       binding=self.config.computation_digest())
 
     def check_models(self, source: ModelInfo, target: ModelInfo, allow_revision_mismatch: bool = False) -> None:
         """Refuse a source/target pair this mapper was not fitted for (see :func:`models.check_matches`)."""
@@ -778,7 +807,8 @@ def check_mapper(directory: str | Path) -> list[str]:
         config = read_config(directory)
     except ArtifactError as exc:
         return [str(exc)]
-    problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes())
+    problems = artifact.header_problems(directory, config.weight_shapes(), config.tensor_dtypes(),
+                                        config.computation_digest())
     if problems:
         return problems
     floats = [name for name, code in config.tensor_dtypes().items() if code != "I64"]

@@ -56,6 +56,19 @@ def check_output_file(path: str | Path, flag: str) -> Path:
     return path
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_plot_file(path: str | Path, flag: str) -> Path:
+    """:func:`check_output_file` for a plot, whose suffix names a format matplotlib writes: checked before the
+    work whose figures it shows, not after."""
+    path = check_output_file(path, flag)
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise InputError(f"{flag} {path}: a plot is written as {', '.join(PLOT_SUFFIXES)}; name the file with one "
+                         "of those suffixes, e.g. latency.png.")
+    return path
+
+
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -122,6 +122,13 @@ def _config_from_dict(data: dict, where: str):
     return config.get_text_config(decoder=True)
 
 
+# the largest size of each config field plan accepts: far above any released decoder (Llama-3.1-405B: 126 layers,
+# 16,384 hidden, 53,248 MLP, 128,256 tokens, 131,072 positions), far below what would tie a machine up
+CONFIG_LIMITS = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+                 "head_dim": 4096, "hidden_size": 1 << 18, "intermediate_size": 1 << 21, "vocab_size": 1 << 23,
+                 "max_position_embeddings": 1 << 26}
+
+
 def model_shape(config, name: str = "") -> ModelShape:
     """Geometry and exact parameter count (the causal LM built on the meta device) of a decoder config."""
     from transformers import AutoModelForCausalLM
@@ -133,10 +140,21 @@ def model_shape(config, name: str = "") -> ModelShape:
         raise InputError(f"{what}: its config has no integer {', '.join(missing)}; kvbridge plans decoder-only "
                          "transformers with a KV cache (Llama, Mistral, Ministral-3, Qwen, …).")
     heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1))
-    if min(config.num_hidden_layers, heads, kv_heads, head_dim) < 1:
-        raise InputError(f"{what}: its config has no layers, attention heads or head dimension.")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1)
+    positions = getattr(config, "max_position_embeddings", None)
+    sizes = {"num_hidden_layers": config.num_hidden_layers, "num_attention_heads": heads,
+             "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_size": config.hidden_size,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    if positions is not None:
+        sizes["max_position_embeddings"] = positions
+    for key, value in sizes.items():  # bounded before any arithmetic or allocation: a config may come from anyone
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= CONFIG_LIMITS[key]:
+            raise InputError(f"{what}: its config's {key} is {value!r}; kvbridge plans {key} from 1 to "
+                             f"{CONFIG_LIMITS[key]:,}. Check the config.")
+    if kv_heads > heads or heads % kv_heads:
+        raise InputError(f"{what}: its config has {kv_heads} key-value heads for {heads} attention heads; the "
+                         "attention heads must be a multiple of the key-value heads.")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -117,6 +117,8 @@ def window_mean(scores: torch.Tensor, valid: torch.Tensor, window: int) -> torch
     left-padded row ranks its tokens as it would alone."""
     if window == 1:
         return scores.float().masked_fill(~valid, 0.0)
+    # a window wider than 2T − 1 covers the whole row from every column: the same mean, and a kernel torch can take
+    window = min(window, 2 * scores.shape[-1] - 1)
     w = valid.float()[:, None]
     pool = functools.partial(torch.nn.functional.avg_pool1d, kernel_size=window, stride=1, padding=window // 2)
     # (filled, not multiplied: a pad's score may be anything, even NaN, and must not reach its neighbours)

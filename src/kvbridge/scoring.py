@@ -95,9 +95,12 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
 
 def score_texts(bridge, contexts: list[str], continuations: list[str], mode: str = "mapped") -> list[Score]:
     """Text version of :func:`score_ids`: the context is encoded with special tokens, the continuation without."""
-    for what, texts in (("context", contexts), ("continuation", continuations)):
+    for what, texts in (("contexts", contexts), ("continuations", continuations)):
+        if not isinstance(texts, (list, tuple)):  # a string would be scored as one-character texts
+            raise InputError(f"{what} must be a list of strings, not {type(texts).__name__}; for one pair, pass "
+                             f"[context], [continuation].")
         for i, text in enumerate(texts):
-            check_text(text, f"{what} {i}")
+            check_text(text, f"{what[:-1]} {i}")
     tok = bridge.tokenizer
     ctx = [tok(c, verbose=False)["input_ids"] for c in contexts]
     cont = [tok(c, add_special_tokens=False, verbose=False)["input_ids"] for c in continuations]

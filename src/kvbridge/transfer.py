@@ -141,6 +141,11 @@ class Bridge(PromptBatches):
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
         options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink, recompute_window)
+        limit = min(p for p in (source.info.max_positions, target.info.max_positions, 1 << 62) if p)
+        for name in ("hold_back", "recompute_window"):
+            if getattr(options, name) > limit:
+                raise InputError(f"{name}={getattr(options, name)} exceeds the {limit} positions these models "
+                                 f"support; pass at most {limit}.")
         self.recompute, self.recompute_by, self.sink = options.recompute, options.recompute_by, options.sink
         self.recompute_window = options.recompute_window
         self.chunk_tokens = chunk_tokens
