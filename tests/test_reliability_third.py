@@ -72,10 +72,12 @@ def test_a_huge_recompute_window_is_refused_or_harmless(artifact, fast_mapper, t
 
     scores, valid = torch.rand(2, 7), torch.ones(2, 7, dtype=torch.bool)
     assert torch.allclose(window_mean(scores, valid, 2**40 + 1), window_mean(scores, valid, 13))  # whole row
-    _edit(artifact, _set(("runtime", "recompute_window"), 2**40 + 1))
-    with pytest.raises(ArtifactError, match="recompute_window"):
-        Mapper.from_pretrained(artifact)
-    assert main(["verify", str(artifact)]) == 1
+    for field in ("recompute_window", "hold_back"):
+        shutil.copy(fast_mapper / CONFIG_FILE, artifact / CONFIG_FILE)
+        _edit(artifact, _set(("runtime", field), 2**40 + 1))
+        with pytest.raises(ArtifactError, match=field):
+            Mapper.from_pretrained(artifact)
+        assert main(["verify", str(artifact)]) == 1
     source, target, _ = tiny_pair
     s, t, good = load_model(source), load_model(target), Mapper.from_pretrained(fast_mapper)
     for bad in (dict(recompute_window=2**31 + 1), dict(hold_back=10**6)):
@@ -184,3 +186,10 @@ def test_messages_say_what_to_do_once(artifact):
     with pytest.raises(ArtifactError) as info:
         Mapper.from_pretrained(artifact)
     assert str(info.value).lower().count("re-download") == 1
+
+
+def test_diagnose_names_the_position_limit(fast_mapper, tiny_pair, tmp_path, capsys):
+    source, target, texts = tiny_pair
+    assert main(["diagnose", "--source", source, "--target", target, "--mapper", str(fast_mapper), "--texts", texts,
+                 "--seq-len", "99999", "--out", str(tmp_path / "d")]) == 1
+    assert "exceeds the 512 positions" in capsys.readouterr().err

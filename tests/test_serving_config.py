@@ -143,3 +143,51 @@ def test_break_even_reads_a_bench_file(tmp_path):
     path.write_text("{")
     with pytest.raises(InputError, match="not a kvbridge bench"):
         break_even(str(path))
+
+
+def test_flags_are_read_in_both_forms_and_a_missing_value_is_one_line(capsys):
+    from kvbridge.cli import main
+    from kvbridge.serving.server import flag_value, given_flags, vllm_argv
+
+    argv = ["--served-model-name=foo", "--target", "T", "--port", "1"]
+    assert flag_value(argv, "--served-model-name") == "foo" and flag_value(argv, "--target") == "T"
+    assert flag_value(argv, "--mapper") is None and given_flags(argv) == {"--served-model-name", "--target", "--port"}
+    with pytest.raises(InputError, match="needs a value"):
+        flag_value(["--target"], "--target")
+    assert main(["serve-bench", "--target"]) == 1
+    assert "--target needs a value" in capsys.readouterr().err
+    with pytest.raises(InputError, match="kv-transfer-config"):
+        vllm_argv(config(), "fam", "127.0.0.1", 1, ["--kv-transfer-config={}"])
+
+
+def test_the_middleware_needs_its_settings_and_survives_any_body(monkeypatch):
+    import asyncio
+
+    from kvbridge.serving.middleware import ENV, KVBridgeMiddleware
+
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(RuntimeError, match="kvbridge serve"):
+        KVBridgeMiddleware(None)
+    monkeypatch.setenv(ENV, json.dumps({"mode": "mapped", "namespace": NAMESPACE_PREFIX + "0" * 32}))
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((await receive())["body"])
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    for body, passed in ((b"[" * 100000, True), (b'{"prompt": "x", "kv_transfer_params": {"kvbridge": "x"}}', False),
+                         (b'{"prompt": "x"}', True)):
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        seen.clear(), sent.clear()
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        asyncio.run(KVBridgeMiddleware(app)(scope, receive, send))
+        assert bool(seen) == passed and (passed or sent[0]["status"] == 400)
+    assert json.loads(seen[0])["cache_salt"].startswith(NAMESPACE_PREFIX)

@@ -106,6 +106,11 @@ def test_a_native_request_never_gets_mapped_blocks_from_the_prefix_cache(engine)
     # the same mapped request again shares the mapped blocks and gives the same answer
     twice, st = run(llm, config, [ids], ["mapped"])
     assert twice == mapped and st[0]["kvbridge"] == "mapped"
+    # a prefix that is all a prefix-cache hit of the namespace is said to be one, not "mapped"
+    short = prompts(bridge, (129,), offset=21)[0]
+    first, st1 = run(llm, config, [short], ["mapped"])
+    again, st2 = run(llm, config, [short], ["mapped"])
+    assert st1[0]["kvbridge"] == "mapped" and st2[0]["kvbridge"].startswith("cached") and again == first
 
 
 def test_a_failed_map_is_a_native_answer_and_the_others_stay_mapped(engine):

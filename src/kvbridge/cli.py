@@ -815,9 +815,6 @@ def _cmd_push(args) -> int:
 
 
 def _add_serve_pair(p: argparse.ArgumentParser) -> None:
-    from .serving.config import ServeConfig
-
-    d = ServeConfig(mapper="-", source="-", target="-")
     g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
     g.add_argument("--mapper", help="mapper folder or hub id")
     g.add_argument("--mapper-revision", help="hub revision of the mapper")
@@ -830,9 +827,10 @@ def _add_serve_pair(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
     g.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
                                                    "connector (default: the mapper's; 0: none)")
-    g.add_argument("--connector-device", default=d.device,
-                   help=f"device of the source and mapper inside the engine's worker (default: {d.device})")
-    g.add_argument("--connector-dtype", default=d.dtype,
+    g.add_argument("--connector-device", default="auto",
+                   help="device of the source and mapper inside the engine's worker (default: auto: cuda when a GPU "
+                        "is there, else cpu)")
+    g.add_argument("--connector-dtype", default="auto",
                    help="their dtype, and the engine's unless --dtype is given (default: auto: float32 on CPU, "
                         "bfloat16 on GPU)")
 
@@ -847,6 +845,10 @@ def _serve_config(args, **settings):
 
     if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
         raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
+    if args.connector_device == "auto":
+        import torch
+
+        args.connector_device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.connector_device, "--connector-device")
     if args.source:
         source = resolve_model(args.source, args.source_revision)
@@ -928,7 +930,7 @@ def _cmd_serve_eval(args) -> int:
     from .serving.server import cpu_defaults
     from .transfer import Bridge
 
-    lengths = _contexts(args.lengths, minimum=64)
+    lengths = _contexts(args.lengths, minimum=64, flag="--lengths")
     if args.items < 4:
         raise KVBridgeError("--items must be at least 4 (the cloze task draws its distractors from other rows).")
     if args.json:
@@ -950,6 +952,8 @@ def _cmd_serve_eval(args) -> int:
     llm = LLM(**engine_kwargs(config, dtype=str(dtype).replace("torch.", ""), enforce_eager=config.device == "cpu"))
     try:
         report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, _log)
+    except RuntimeError as exc:
+        raise KVBridgeError(f"the engine could not score the family tasks: {exc}") from None
     finally:
         llm.llm_engine.engine_core.shutdown()  # now: vLLM's threads abort the process at interpreter exit
     print(retention_rows(report))
@@ -987,7 +991,7 @@ def _cmd_serve_bench(args) -> int:
     from .serving.server import launched, resolve_model
 
     contexts = _contexts(args.contexts, minimum=2)
-    concurrency = _contexts(args.concurrency, minimum=1)
+    concurrency = _contexts(args.concurrency, minimum=1, flag="--concurrency")
     if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
         raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
     if args.json:
@@ -997,29 +1001,41 @@ def _cmd_serve_bench(args) -> int:
     if args.plot:
         _require("matplotlib", "plot", "kvbridge serve-bench --plot")
     _require("openai", "serve", "kvbridge serve-bench")
+    from .serving.server import flag_value, given_flags
+
     rest = list(args.serve_args)
-    given = {a.split("=")[0] for a in rest if a.startswith("--")}
-    target = family.target_path()
-    if "--target" in rest:
-        target = resolve_model(rest[rest.index("--target") + 1], None)
+    given = given_flags(rest)
+    target = flag_value(rest, "--target")
+    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
     tokenizer = AutoTokenizer.from_pretrained(target)
     say = lambda m: _log(f"  {m}")  # noqa: E731
-    if args.url:
-        import json
-        import urllib.request
+    import openai
 
-        with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models", timeout=30) as r:
-            model = args.model or json.loads(r.read())["data"][0]["id"]
-        report = run_engine_bench(args.url.rstrip("/"), model, tokenizer, contexts, concurrency, args.warmup,
-                                  args.rounds, args.new_tokens, say)
-    else:
-        if "--served-model-name" not in given:
-            rest += ["--served-model-name", "kvbridge-bench"]
-        model = rest[rest.index("--served-model-name") + 1]
-        _log(f"starting kvbridge serve {' '.join(rest)} (log: {args.log})")
-        with launched(rest, args.log) as url:
-            report = run_engine_bench(url, model, tokenizer, contexts, concurrency, args.warmup, args.rounds,
-                                      args.new_tokens, say)
+    try:
+        if args.url:
+            import json
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models", timeout=30) as r:
+                    model = args.model or json.loads(r.read())["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise KVBridgeError(f"--url {args.url}: no OpenAI-compatible /v1/models there; give the base URL "
+                                    "of a kvbridge serve server (http://HOST:PORT).") from None
+            report = run_engine_bench(args.url.rstrip("/"), model, tokenizer, contexts, concurrency, args.warmup,
+                                      args.rounds, args.new_tokens, say)
+        else:
+            if "--served-model-name" not in given:
+                rest += ["--served-model-name", "kvbridge-bench"]
+            model = flag_value(rest, "--served-model-name")
+            _log(f"starting kvbridge serve {' '.join(rest)} (log: {args.log})")
+            with launched(rest, args.log) as url:
+                report = run_engine_bench(url, model, tokenizer, contexts, concurrency, args.warmup, args.rounds,
+                                          args.new_tokens, say)
+    except openai.OpenAIError as exc:
+        raise KVBridgeError(f"the server refused a benchmark request ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]}); check --model, --contexts against the server's "
+                            "--max-model-len, and the server's log.") from None
     import platform
 
     import torch
@@ -1044,14 +1060,14 @@ def _require(module: str, extra: str, what: str) -> None:
         raise KVBridgeError(f"{what} needs {module}, which is not installed: pip install \"kvbridge[{extra}]\"")
 
 
-def _contexts(text: str, minimum: int) -> list[int]:
-    """--contexts: comma-separated token counts, each at least ``minimum``."""
+def _contexts(text: str, minimum: int, flag: str = "--contexts") -> list[int]:
+    """--contexts (or ``flag``): comma-separated counts, each at least ``minimum``."""
     try:
         contexts = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         contexts = []
     if not contexts or min(contexts) < minimum:
-        raise KVBridgeError(f"--contexts must be comma-separated integers >= {minimum}, e.g. 1024,8192, not {text!r}.")
+        raise KVBridgeError(f"{flag} must be comma-separated integers >= {minimum}, e.g. 1024,8192, not {text!r}.")
     return contexts
 
 

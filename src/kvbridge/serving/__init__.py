@@ -12,6 +12,8 @@ vLLM is an optional dependency (``pip install "kvbridge[serve]"`` on CPU, ``vllm
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 from .config import MODES, PARAM, ServeConfig, engine_kwargs, namespace, salted
@@ -19,19 +21,27 @@ from .config import MODES, PARAM, ServeConfig, engine_kwargs, namespace, salted
 __all__ = ["MODES", "PARAM", "ServeConfig", "engine_kwargs", "mapped_request", "namespace", "salted"]
 
 
+@functools.lru_cache(maxsize=16)
+def config_namespace(mapper: str, runtime_json: str) -> str:
+    """The namespace of ``mapper`` with these runtime overrides (read and hashed once per process: an artifact
+    folder a server uses does not change under it)."""
+    from ..mapper import read_config
+
+    runtime = read_config(mapper).runtime.override(**json.loads(runtime_json)).to_dict()
+    return namespace(mapper, runtime)
+
+
 def mapped_request(prompt: str | list[int], config: ServeConfig, mode: str | None = None,
                    cache_salt: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """For vLLM's offline ``LLM.generate``: ``(prompt, extra_args)`` of one request in ``mode`` (default: the
     config's), its cache_salt in the mapper's namespace when it may be mapped. Use as
     ``llm.generate(prompt, SamplingParams(..., extra_args=extra_args))``; the HTTP server does this itself."""
-    from ..mapper import read_config
     from .config import request_mode
 
     mode = request_mode({PARAM: mode or config.mode}, config.mode)
     item: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
     if mode != "native":
-        runtime = read_config(config.mapper).runtime.override(**config.runtime).to_dict()
-        cache_salt = salted(namespace(config.mapper, runtime), cache_salt)
+        cache_salt = salted(config_namespace(config.mapper, json.dumps(config.runtime, sort_keys=True)), cache_salt)
     if cache_salt:
         item["cache_salt"] = cache_salt
     return item, {"kv_transfer_params": {PARAM: mode}}

@@ -51,8 +51,8 @@ def token_windows(tokenizer, count: int, length: int, seed: int = 0) -> list[lis
     return [bos + stream[(seed * 7919 + i * step) % span:][:length - len(bos)] for i in range(count)]
 
 
-async def _one(client, model: str, ids: list[int], mode: str, new_tokens: int) -> tuple[float, int, str]:
-    """(ms to the first streamed token, tokens generated, the server's kvbridge outcome if it said one)."""
+async def _one(client, model: str, ids: list[int], mode: str, new_tokens: int) -> tuple[float, int]:
+    """(ms to the first streamed token, tokens generated)."""
     start = time.perf_counter()
     first, tokens = None, 0
     stream = await client.completions.create(model=model, prompt=ids, max_tokens=new_tokens, temperature=0,
@@ -63,7 +63,7 @@ async def _one(client, model: str, ids: list[int], mode: str, new_tokens: int) -
             if first is None:
                 first = time.perf_counter()
             tokens += 1
-    return 1000 * ((first or time.perf_counter()) - start), tokens, mode
+    return 1000 * ((first or time.perf_counter()) - start), tokens
 
 
 async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], concurrencies: list[int],

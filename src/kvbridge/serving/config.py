@@ -1,7 +1,7 @@
 """What a kvbridge connector inside a vLLM engine needs to know, and the engine arguments that set it up.
 
 No vLLM import here: :func:`engine_kwargs` builds the keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs``
-(and :func:`serve_argv` the same as ``vllm serve`` flags), so they can be checked and tested without an engine.
+(``kvbridge.serving.server.vllm_argv`` the same as ``vllm serve`` flags), so they can be checked without an engine.
 
 A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbridge": MODE}``:
 
@@ -45,8 +45,8 @@ class ServeConfig:
     ``mapper``, ``source`` and ``target``: folders (resolved hub snapshots included); ``target`` must be the model
     the engine serves. ``mode``: the default for requests that do not say; ``min_tokens``: ``auto``'s break-even
     prompt length. ``device``/``dtype``: where the source and the mapper run inside the engine's worker (the
-    target's transformers copy, used only when the mapper recomputes tokens, sits beside them). ``runtime``:
-    overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
+    target's transformers copy — its RoPE, its config, its weights for the recompute — sits beside them).
+    ``runtime``: overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
     """
 
     mapper: str

@@ -14,7 +14,7 @@ computes the held-back tokens itself, over the mapped prefix, and decodes as usu
 Transfer is an optimization, never a dependency: when mapping fails for a request (an exception, a non-finite
 cache) its blocks are reported as failed loads and vLLM (``kv_load_failure_policy="recompute"``) prefills them
 natively; the request is answered, the fallback counted, logged, and named in the response's
-``kv_transfer_params`` (``{"kvbridge": "mapped" | "native" | "short" | "fallback: <reason>", ...}``).
+``kv_transfer_params`` (``{"kvbridge": "mapped" | "native" | "short" | "cached: …" | "fallback: <reason>", ...}``).
 A prompt the source cannot hold (longer than its positions) is prefilled natively from the start.
 
 Approximate K/V stay approximate: with prefix caching on, the connector maps only requests whose
@@ -43,7 +43,7 @@ from ..errors import CompatibilityError, UnsupportedModelError
 from .config import PARAM, ServeConfig, in_namespace, namespace, request_hold_back, request_mode
 
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
-STATUSES = ("mapped", "native", "short", "fallback")
+STATUSES = ("mapped", "cached", "native", "short", "fallback")
 
 
 @dataclass
@@ -146,6 +146,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if vllm_config.cache_config.cache_dtype not in ("auto", None):
             raise UnsupportedModelError(f"kvbridge connector: kv cache dtype {vllm_config.cache_config.cache_dtype!r} "
                                         "is not supported; serve with the model's own dtype (--kv-cache-dtype auto).")
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            raise CompatibilityError(f"kvbridge connector: kv_load_failure_policy is {policy!r}; it must be "
+                                     "'recompute', so that a failed map is a native prefill, not a failed request.")
+        parallel = vllm_config.parallel_config
+        sizes = {name: getattr(parallel, name, 1) or 1 for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                                     "decode_context_parallel_size",
+                                                                     "prefill_context_parallel_size")}
+        if any(v != 1 for v in sizes.values()):
+            found = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1)
+            raise UnsupportedModelError(f"kvbridge connector: {found}; the connector writes every layer and head of "
+                                        "the target from one worker, so it serves single-device engines only (for "
+                                        "now).")
         mapper_config = read_config(self.config.mapper)
         self.runtime = mapper_config.runtime.override(**self.config.runtime)
         self.hold_back = self.runtime.hold_back
@@ -154,7 +167,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.namespace = namespace(self.config.mapper, self.runtime.to_dict())
         # scheduler side
-        self._status: dict[str, str] = {}  # request id -> its outcome so far
+        self._status: dict[str, str] = {}  # request id -> its outcome so far (once the engine allocated it)
+        self._decided: dict[str, tuple[str, int]] = {}  # request id -> (outcome, tokens): asked, not yet allocated
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._ends: dict[str, int] = {}  # request id -> end of its mapped prefix
         self._map_ms: dict[str, float] = {}
@@ -280,27 +294,37 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if end > self.source_positions:
             return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
         if getattr(request, "skip_reading_prefix_cache", False):  # vLLM would drop what the connector loads
-            return ("fallback: the request skips the prefix cache (vLLM's default with prompt_logprobs); set "
-                    "skip_reading_prefix_cache=False to score over a mapped prefix"), 0
+            return ("fallback: the request skips the prefix cache (vLLM's default with prompt_logprobs), and with it "
+                    "any loaded K/V; offline, SamplingParams(skip_reading_prefix_cache=False) scores over a mapped "
+                    "prefix"), 0
         if self.prefix_caching and not in_namespace(request.cache_salt, self.namespace):
             return ("fallback: prefix caching is on and the request's cache_salt is not in the mapper's namespace "
-                    "(send it through kvbridge serve, or use kvbridge.serving.mapped_prompt)"), 0
-        if num_computed_tokens >= end:
-            return "mapped", 0  # the whole prefix is a prefix-cache hit in the mapper's namespace
+                    "(send it through kvbridge serve's completions or chat route, or build it with "
+                    "kvbridge.serving.mapped_request)"), 0
+        if num_computed_tokens >= end:  # K/V of this mapper's namespace (mapped, or recomputed after a fallback)
+            return "cached: the whole prefix was a prefix-cache hit in the mapper's namespace", 0
         return "mapped", end - num_computed_tokens
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """May be asked again for the same request (no free blocks yet, preemption): the answer is provisional
+        until :meth:`update_state_after_alloc`."""
+        rid = request.request_id
+        if self._status.get(rid, "").startswith("fallback"):  # a failed map stays failed (and native) on a retry
+            return 0, False
         status, tokens = self.decide(request, num_computed_tokens)
-        self._status[request.request_id] = status
-        self._tokens[request.request_id] = tokens
-        self._ends[request.request_id] = num_computed_tokens + tokens
+        if status.startswith("fallback"):
+            logger.info("kvbridge connector: request %s is prefilled natively (%s)", rid, status[len("fallback: "):])
+        self._decided[rid] = (status, tokens)
+        self._ends[rid] = num_computed_tokens + tokens
         return tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
-        if num_external_tokens < self._tokens.get(rid, 0):  # the engine took less than was claimed: never say mapped
-            self._status[rid] = "fallback: the engine did not load the mapped prefix"
-            self._tokens[rid] = num_external_tokens
+        if rid in self._decided:
+            status, tokens = self._decided.pop(rid)
+            if num_external_tokens < tokens:  # the engine took less than was claimed: never say mapped
+                status = "fallback: the engine did not load the mapped prefix"
+            self._status[rid], self._tokens[rid] = status, num_external_tokens if status == "mapped" else 0
         if num_external_tokens == 0:
             return
         end = self._ends[request.request_id]
@@ -322,10 +346,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        status = self._status.pop(rid, None)
+        status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
         tokens, ms = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None)
-        self._ends.pop(rid, None)
-        self._planned.pop(rid, None)
+        for state in (self._ends, self._planned, self._decided):
+            state.pop(rid, None)
         if status is None:
             return False, None
         self._stats.data[status.split(":")[0]] += 1

@@ -18,7 +18,9 @@ from ..errors import InputError
 from .config import PARAM, request_hold_back, request_mode, salted
 
 ENV = "KVBRIDGE_SERVE"
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions", "/v1/chat/completions")  # other routes pass untouched: their mapped requests fall
+# back to native prefill (no namespace), never the other way round
+MAX_BODY = 64 << 20  # bytes
 
 
 def rewrite(data, mode: str, namespace: str):
@@ -36,8 +38,11 @@ class KVBridgeMiddleware:
     def __init__(self, app):
         self.app = app
         settings = json.loads(os.environ.get(ENV) or "{}")
+        if not settings.get("namespace"):
+            raise RuntimeError(f"KVBridgeMiddleware needs its settings in ${ENV}: start the server with `kvbridge "
+                               "serve`, not with a plain `vllm serve --middleware ...`.")
         self.mode = settings.get("mode", "mapped")
-        self.namespace = settings.get("namespace", "")
+        self.namespace = settings["namespace"]
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
@@ -50,15 +55,19 @@ class KVBridgeMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        if len(body) > MAX_BODY:
+            return await _bad_request(send, f"the request body has {len(body):,} bytes; kvbridge serve takes at most "
+                                            f"{MAX_BODY:,}.", param=None)
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             data = None  # vLLM answers malformed JSON itself (400)
         if isinstance(data, dict):
             try:
                 body = json.dumps(rewrite(data, self.mode, self.namespace)).encode()
             except InputError as exc:
-                return await _bad_request(send, str(exc))
+                return await _bad_request(send, str(exc), "cache_salt" if "cache_salt" in str(exc) else
+                                          "kv_transfer_params")
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         sent = False
@@ -73,8 +82,8 @@ class KVBridgeMiddleware:
         return await self.app({**scope, "headers": headers}, replay, send)
 
 
-async def _bad_request(send, message: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "kv_transfer_params",
+async def _bad_request(send, message: str, param: str | None) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
                                     "code": 400}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})

@@ -88,14 +88,36 @@ def break_even(bench_json: str) -> int:
     return faster[0]
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``--flags`` in an argument list (``--flag value`` and ``--flag=value`` alike)."""
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argument list (``--flag value`` or ``--flag=value``; the last one wins); None
+    when absent; InputError when it has no value."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise InputError(f"{flag} needs a value.")
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passthrough: list[str]) -> list[str]:
     """``vllm serve`` arguments for the target with the connector, the llama-4 override and the middleware."""
     kwargs = engine_kwargs(config)
+    given = given_flags(passthrough)
+    if "--kv-transfer-config" in given:
+        raise InputError("kvbridge serve sets vLLM's --kv-transfer-config itself (the kvbridge connector); drop it, "
+                         "and set the connector with kvbridge serve's own options.")
     argv = ["serve", config.target, "--host", host, "--port", str(port),
             "--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"]), "--middleware", MIDDLEWARE]
-    if "hf_overrides" in kwargs and "--hf-overrides" not in passthrough:
+    if "hf_overrides" in kwargs and "--hf-overrides" not in given:
         argv += ["--hf-overrides", json.dumps(kwargs["hf_overrides"])]
-    given = {a.split("=")[0] for a in passthrough if a.startswith("--")}
     if "--served-model-name" not in given:
         argv += ["--served-model-name", served_name]
     if config.device == "cpu" and "--enforce-eager" not in given:
