@@ -172,3 +172,15 @@ def test_target_recalls_a_span_stated_900_tokens_earlier(pair, long_rows):
     floor = accuracy(target.model, floor_ctx)
     # recorded on 48 documents: target 53 %, source 20 %, floor 0 %
     assert target_acc > floor + 0.3 and target_acc > source_acc + 0.15, (target_acc, source_acc, floor)
+
+
+def test_the_shipped_recommended_mapper_is_what_the_demo_would_fit():
+    """`kvbridge demo` loads the family's shipped mapper instead of fitting it: only while its recorded settings
+    are the demo's own (a changed default makes the demo fit again, and this test says to refit the artifact:
+    `kvbridge fit --source S --target T --texts calibration.jsonl --top-k 1 --lever-top-k 1 --out
+    src/kvbridge/family/mapper`)."""
+    from kvbridge.demo import FULL, shipped_mapper
+    from kvbridge.mapper import check_mapper
+
+    assert check_mapper(family.mapper_path()) == []
+    assert shipped_mapper(FULL) is not None
