@@ -67,7 +67,7 @@ PLAIN = dict(lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=
              lever_weighting="none", mlp_hidden=0, repeat_spans=0.0, lever_objective="kv", tune_plain=False,
              recompute=0.0, recompute_by="logit", recompute_window=1, sink=False, hold_back=1)
 # the embedded family's source has two layers: each plain map and the lever read the one that predicts them best
-# (every source layer, kvbridge fit's default, costs twice the FLOPs here for no measured gain; see the README)
+# (every source layer, kvbridge fit's default, costs twice the FLOPs here for no measured gain; see docs/levers.md)
 FAMILY = dict(top_k=1, lever_top_k=1)
 FIT = FitConfig(num_texts=160, seq_len=1024, stride=2, heldout_texts=4, batch_size=4, mlp_steps=4000, mlp_batch=1024,
                 **PLAIN)
@@ -156,7 +156,7 @@ QUICK = FrontierConfig(
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "quick": QUICK}
 # the point kvbridge fit's defaults reproduce, with FAMILY's source-layer counts (the demo adds them; a deeper
 # source keeps every source layer by default): the best one that cleared MIN_SPEEDUP in every frontier run on the
-# family (the rule's own pick in a single run can be a point whose speed-up sits on the bar: see the README)
+# family (the rule's own pick in a single run can be a point whose speed-up sits on the bar: see docs/levers.md)
 RECOMMENDED = "lean + recompute 4% by span"
 
 

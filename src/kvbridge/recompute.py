@@ -35,7 +35,7 @@ Then, over a ``window`` of w tokens centred on each one (w odd, default 9 in ``k
 averaged: a token ranks high when the text around it is unpredictable, not only the token itself. That
 recomputes unpredictable *spans* whole (a name of several tokens, a number, a sequence to be recalled),
 where a single surprising word in ordinary text ranks lower; with the same number of recomputed tokens it
-keeps far more of the target's quality on the embedded family (see the README). w = 1 is the token's own
+keeps far more of the target's quality on the embedded family (see docs/levers.md). w = 1 is the token's own
 score (artifacts fitted before the window existed).
 
 The row's first token (the attention sink) is always kept when ``sink`` is set.
