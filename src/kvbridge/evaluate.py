@@ -285,6 +285,14 @@ def mean_retention(results: list[TaskResult]) -> float:
     return sum(defined) / len(defined) if defined else float("nan")
 
 
+def capped_mean_retention(results: list[TaskResult]) -> float:
+    """:func:`mean_retention` with each task's cell capped at 100 %: a cell above native means the transfer found
+    something the task rewards, not that it beat the target (the headline figure; the uncapped mean stays beside
+    it)."""
+    defined = [min(r.floor_normalized_retention, 1.0) for r in results if _defined(r)]
+    return sum(defined) / len(defined) if defined else float("nan")
+
+
 def bootstrap_interval(runs: list[list[TaskResult]], replicates: int = 1000, seed: int = 0,
                        level: float = 0.95) -> tuple[float, float]:
     """Percentile interval of :func:`mean_retention` over all tasks of ``runs`` when documents are resampled.

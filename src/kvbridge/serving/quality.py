@@ -54,6 +54,7 @@ class EngineScorer:
 def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: int, lengths: list[int],
                      progress=print) -> dict:
     """Per length: the family tasks with Bridge (native, source, mapped) and the engine's mapped column."""
+    from ..evaluate import capped_mean_retention as capped_mean
     from ..evaluate import family_tasks, mean_retention
 
     scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
@@ -69,13 +70,6 @@ def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: 
             "bridge_mean_retention": mean_retention(ref), "engine_mean_retention": mean_retention(eng),
             "bridge_capped_mean_retention": capped_mean(ref), "engine_capped_mean_retention": capped_mean(eng)}
     return report
-
-
-def capped_mean(results) -> float:
-    """Mean floor-normalized retention with each task's cell capped at 100 % (a cell above native means the transfer
-    found something the task rewards, not that it beat the target)."""
-    values = [min(r.floor_normalized_retention, 1.0) for r in results]
-    return sum(values) / len(values)
 
 
 def retention_rows(report: dict) -> str:
