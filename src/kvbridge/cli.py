@@ -555,12 +555,7 @@ def _cmd_bench(args) -> int:
     contexts = _contexts(args.contexts, minimum=2)  # one token is the held-back one: nothing to map
     if args.trials < 1 or args.warmup < 0 or args.batch < 1:
         raise KVBridgeError("--trials must be >= 1, --warmup >= 0, --batch >= 1.")
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_plot_file(args.plot, "--plot")
-    if args.plot:
-        _require("matplotlib", "plot", "kvbridge bench --plot")
+    _check_results(args, "kvbridge bench")
     bridge = _bridge(args)
     limit = bridge.target.info.max_positions
     if limit and max(contexts) > limit:
@@ -997,12 +992,7 @@ def _cmd_serve_bench(args) -> int:
     concurrency = _contexts(args.concurrency, minimum=1, flag="--concurrency")
     if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
         raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_plot_file(args.plot, "--plot")
-    if args.plot:
-        _require("matplotlib", "plot", "kvbridge serve-bench --plot")
+    _check_results(args, "kvbridge serve-bench")
     _require("openai", "serve", "kvbridge serve-bench")
     from .serving.server import flag_value, given_flags
 
@@ -1053,6 +1043,15 @@ def _cmd_serve_bench(args) -> int:
     if args.plot:
         plot_engine(report, args.plot)
     return 0
+
+
+def _check_results(args, command: str) -> None:
+    """--json and --plot checked before the work they record (a plot's suffix and matplotlib included)."""
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.plot:
+        check_plot_file(args.plot, "--plot")
+        _require("matplotlib", "plot", f"{command} --plot")
 
 
 def _require(module: str, extra: str, what: str) -> None:
