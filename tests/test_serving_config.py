@@ -191,3 +191,19 @@ def test_the_middleware_needs_its_settings_and_survives_any_body(monkeypatch):
         asyncio.run(KVBridgeMiddleware(app)(scope, receive, send))
         assert bool(seen) == passed and (passed or sent[0]["status"] == 400)
     assert json.loads(seen[0])["cache_salt"].startswith(NAMESPACE_PREFIX)
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"kv_transfer_params": {"kvbridge": "mapped", "j": {"a": 1}}}, "unknown keys"),  # rides to the engine's pickle
+    ({"kv_transfer_params": {"KVBridge": "native"}}, "unknown keys"),  # a misspelling is not the default mode
+    ({"prompt": "x", "cache_salt": NAMESPACE_PREFIX + "0" * 32}, "may not start"),  # a native read of mapped blocks
+    ({"prompt": "x", "stop": json.loads("[" * 70 + "]" * 70)}, "nests more than"),  # 500 deep killed the engine
+    ({"kv_transfer_params": {"kvbridge_hold_back": "3"}}, "kvbridge_hold_back"),
+])
+def test_what_no_route_may_pass_to_the_engine(body, match):
+    from kvbridge.serving.middleware import check_body
+
+    with pytest.raises(InputError, match=match):
+        check_body(body)
+    with pytest.raises(InputError, match=match):
+        rewrite(dict(body), "mapped", NAMESPACE_PREFIX + "1" * 32)

@@ -3,6 +3,7 @@ answered through the `openai` client — completions, chat, streaming, mapped an
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import urllib.request
@@ -68,7 +69,10 @@ def test_chat_and_streaming(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-@pytest.mark.parametrize("params", [{"kvbridge": "fast"}, "mapped", [1], {"kvbridge": 3}])
+DEEP = json.loads('{"kvbridge": "mapped", "j": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}")  # killed the engine
+
+
+@pytest.mark.parametrize("params", [{"kvbridge": "fast"}, "mapped", [1], {"kvbridge": 3}, DEEP])
 def test_a_malformed_request_gets_a_400_and_the_next_is_answered(client, params):
     import openai
 

@@ -1,12 +1,14 @@
 """The HTTP layer's part of serving: an ASGI middleware in front of vLLM's OpenAI-compatible routes.
 
-For ``POST /v1/completions`` and ``/v1/chat/completions`` it reads ``kv_transfer_params``: a malformed one
-(not an object, an unknown ``kvbridge`` mode) is answered with HTTP 400 and a message, before the engine
-sees it; otherwise the request gets the server's default mode when it names none, and a request that may be
-mapped (``mapped`` or ``auto``) gets a ``cache_salt`` in the mapper's namespace, the client's own salt kept
-after it — so mapped K/V are shared only among requests that asked for this mapper. Everything else passes
-through untouched. ``kvbridge serve`` puts the settings in the environment (``KVBRIDGE_SERVE``) before vLLM
-imports this class.
+For every ``POST`` with a JSON body it refuses, with HTTP 400 and a message before the engine sees it, what
+would hurt the engine or the namespace: JSON nested deeper than ``MAX_DEPTH`` (vLLM pickles request options to
+its workers: a 500-deep ``kv_transfer_params`` killed the engine), a malformed ``kv_transfer_params`` (not an
+object, a key other than kvbridge's, an unknown mode, a bad hold-back) and a client ``cache_salt`` in kvbridge's
+reserved namespace. On ``/v1/completions`` and ``/v1/chat/completions`` a request gets the server's default
+mode when it names none, and one that may be mapped (``mapped`` or ``auto``) a ``cache_salt`` in the mapper's
+namespace, the client's own salt kept after it — so mapped K/V are shared only among requests that asked for
+this mapper. Other routes are not salted: their mapped requests fall back to native prefill. ``kvbridge serve``
+puts the settings in the environment (``KVBRIDGE_SERVE``) before vLLM imports this class.
 """
 
 from __future__ import annotations
@@ -15,19 +17,49 @@ import json
 import os
 
 from ..errors import InputError
-from .config import PARAM, request_hold_back, request_mode, salted
+from .config import HOLD_BACK, NAMESPACE_PREFIX, PARAM, request_hold_back, request_mode, salted
 
 ENV = "KVBRIDGE_SERVE"
-PATHS = ("/v1/completions", "/v1/chat/completions")  # other routes pass untouched: their mapped requests fall
-# back to native prefill (no namespace), never the other way round
+PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes whose requests are salted
 MAX_BODY = 64 << 20  # bytes
+MAX_DEPTH = 64  # JSON nesting (vLLM's own limit for structured-output schemas)
+
+
+def depth(value) -> int:
+    """How deeply ``value`` (parsed JSON) nests, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def check_body(data) -> None:
+    """What any route must not pass to the engine (InputError: the 400's message)."""
+    deep = [key for key, value in data.items() if depth(value) >= MAX_DEPTH]
+    if deep:
+        raise InputError(f"the request's {deep[0]} nests more than {MAX_DEPTH} levels deep; kvbridge serve refuses it.")
+    params = data.get("kv_transfer_params")
+    if isinstance(params, dict):
+        unknown = sorted(set(params) - {PARAM, HOLD_BACK})
+        if unknown:
+            raise InputError(f"kv_transfer_params has unknown keys {', '.join(map(repr, unknown[:5]))}; this server "
+                             f"takes {PARAM!r} (mapped, native or auto) and {HOLD_BACK!r}.")
+    request_mode(params, "native")
+    request_hold_back(params)
+    salt = data.get("cache_salt")
+    if isinstance(salt, str) and salt.startswith(NAMESPACE_PREFIX):
+        raise InputError(f"cache_salt may not start with {NAMESPACE_PREFIX!r}: that namespace holds mapped K/V, and "
+                         "only kvbridge sets it. Choose another salt.")
 
 
 def rewrite(data, mode: str, namespace: str):
-    """The request body a kvbridge server hands vLLM (InputError: the 400's message)."""
+    """The request body a kvbridge server hands vLLM for a salted route (InputError: the 400's message)."""
+    check_body(data)
     params = data.get("kv_transfer_params")
     chosen = request_mode(params, mode)
-    request_hold_back(params)
     data["kv_transfer_params"] = {**(params or {}), PARAM: chosen}
     if chosen != "native":
         data["cache_salt"] = salted(namespace, data.get("cache_salt"))
@@ -45,7 +77,7 @@ class KVBridgeMiddleware:
         self.namespace = settings["namespace"]
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
+        if scope.get("type") != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -64,10 +96,13 @@ class KVBridgeMiddleware:
             data = None  # vLLM answers malformed JSON itself (400)
         if isinstance(data, dict):
             try:
-                body = json.dumps(rewrite(data, self.mode, self.namespace)).encode()
+                if scope.get("path") in PATHS:
+                    body = json.dumps(rewrite(data, self.mode, self.namespace)).encode()
+                else:
+                    check_body(data)
             except InputError as exc:
-                return await _bad_request(send, str(exc), "cache_salt" if "cache_salt" in str(exc) else
-                                          "kv_transfer_params")
+                field = next((f for f in ("cache_salt", "kv_transfer_params") if f in str(exc)), None)
+                return await _bad_request(send, str(exc), field)
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         sent = False
