@@ -28,7 +28,7 @@ import torch
 
 from .errors import InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
-from .models import LoadedModel, prefill_content, source_hidden_size
+from .models import LoadedModel, position_limit, prefill_content, source_hidden_size
 from .recompute import CRITERIA, is_window
 from .stats import (
     CalibrationStats,
@@ -352,7 +352,7 @@ def check_geometry(config: FitConfig, source_layers: int, target_layers: int, ma
     if config.top_k is not None and config.top_k > source_layers:
         raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
                          "(or leave it out for all of them).")
-    limit = min([p for p in max_positions if p] + [1 << 62])
+    limit = position_limit(*max_positions)
     if config.seq_len > limit:
         raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
                          f"most {limit}.")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import artifact, schema
 from .errors import ArtifactError
-from .models import ModelInfo, check_matches, check_same_tokenizer
+from .models import ModelInfo, check_matches, check_same_tokenizer, position_limit
 from .recompute import CRITERIA, is_window
 
 KINDS = ("key", "value")
@@ -233,7 +233,7 @@ class MapperConfig:
             if (lever.kind, lever.layer) in seen:
                 raise ArtifactError(f"two levers for the {lever.kind}s of target layer {lever.layer}.")
             seen.add((lever.kind, lever.layer))
-        limit = min(p for p in (self.source.max_positions, self.target.max_positions, 1 << 62) if p)
+        limit = position_limit(self.source.max_positions, self.target.max_positions)
         for name in ("hold_back", "recompute_window"):  # the runtime's lengths are bounded by the models' positions
             if getattr(self.runtime, name) > limit:
                 raise ArtifactError(f"runtime {name} is {getattr(self.runtime, name)}, more than the {limit} positions "

@@ -263,6 +263,12 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 
 
+def position_limit(*positions: int | None) -> int:
+    """The positions every model supports: the smallest known limit among ``positions`` (0 or None: none known),
+    2**62 when none is known."""
+    return min([p for p in positions if p] + [1 << 62])
+
+
 def check_same_tokenizer(source: ModelInfo, target: ModelInfo) -> None:
     if source.tokenizer_sha256 != target.tokenizer_sha256:
         raise CompatibilityError(

@@ -305,9 +305,10 @@ def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", d
     (beyond the model weights; on CPU host memory included); ``processes`` fit processes on one machine
     each hold their own statistics in host memory."""
     from .fit import check_geometry
+    from .models import position_limit
 
     check_geometry(config, source.layers, target.layers, (source.max_positions, target.max_positions))
-    limit = min([p for p in (source.max_positions, target.max_positions) if p] + [1 << 62])
+    limit = position_limit(source.max_positions, target.max_positions)
     if contexts is None:  # the defaults these models support, or their longest context
         contexts = tuple(n for n in DEFAULT_CONTEXTS if n <= limit) or (limit,)
     if max(contexts) > limit:

@@ -29,6 +29,7 @@ from .models import (
     cache_kv,
     cache_of,
     make_cache,
+    position_limit,
     positions_from_mask,
     prefill,
     source_hidden_size,
@@ -141,7 +142,7 @@ class Bridge(PromptBatches):
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
         options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink, recompute_window)
-        limit = min(p for p in (source.info.max_positions, target.info.max_positions, 1 << 62) if p)
+        limit = position_limit(source.info.max_positions, target.info.max_positions)
         for name in ("hold_back", "recompute_window"):
             if getattr(options, name) > limit:
                 raise InputError(f"{name}={getattr(options, name)} exceeds the {limit} positions these models "
