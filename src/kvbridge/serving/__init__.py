@@ -12,23 +12,12 @@ vLLM is an optional dependency (``pip install "kvbridge[serve]"`` on CPU, ``vllm
 
 from __future__ import annotations
 
-import functools
-import json
 from typing import Any
 
-from .config import MODES, PARAM, ServeConfig, engine_kwargs, namespace, salted
+from .config import MODES, PARAM, ServeConfig, engine_kwargs, mapper_namespace, namespace, salted
 
-__all__ = ["MODES", "PARAM", "ServeConfig", "engine_kwargs", "mapped_request", "namespace", "salted"]
-
-
-@functools.lru_cache(maxsize=16)
-def config_namespace(mapper: str, runtime_json: str) -> str:
-    """The namespace of ``mapper`` with these runtime overrides (read and hashed once per process: an artifact
-    folder a server uses does not change under it)."""
-    from ..mapper import read_config
-
-    runtime = read_config(mapper).runtime.override(**json.loads(runtime_json)).to_dict()
-    return namespace(mapper, runtime)
+__all__ = ["MODES", "PARAM", "ServeConfig", "engine_kwargs", "mapped_request", "mapper_namespace", "namespace",
+           "salted"]
 
 
 def mapped_request(prompt: str | list[int], config: ServeConfig, mode: str | None = None,
@@ -41,7 +30,7 @@ def mapped_request(prompt: str | list[int], config: ServeConfig, mode: str | Non
     mode = request_mode({PARAM: mode or config.mode}, config.mode)
     item: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
     if mode != "native":
-        cache_salt = salted(config_namespace(config.mapper, json.dumps(config.runtime, sort_keys=True)), cache_salt)
+        cache_salt = salted(mapper_namespace(config), cache_salt)
     if cache_salt:
         item["cache_salt"] = cache_salt
     return item, {"kv_transfer_params": {PARAM: mode}}

