@@ -37,15 +37,20 @@ class EngineRow:
     requests_per_mode: int
 
 
-def token_windows(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """``count`` distinct prompts of ``length`` tokens: BOS, then windows of the held-out token stream."""
+def heldout_stream(tokenizer) -> list[int]:
+    """The family's held-out texts as one token stream (no special tokens)."""
     from .. import family
 
-    stream = [t for text in family.heldout_texts() for t in tokenizer(text, add_special_tokens=False,
-                                                                      verbose=False)["input_ids"]]
+    return [t for text in family.heldout_texts() for t in tokenizer(text, add_special_tokens=False,
+                                                                    verbose=False)["input_ids"]]
+
+
+def token_windows(tokenizer, stream: list[int], count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` tokens: BOS, then windows of the token ``stream``."""
     span = len(stream) - length
     if span <= 0:
-        raise KVBridgeError(f"the held-out texts hold {len(stream)} tokens, too few for {length}-token prompts.")
+        raise KVBridgeError(f"the held-out texts hold {len(stream)} tokens, too few for {length}-token prompts; "
+                            "ask for shorter --contexts.")
     step = max(1, span // max(count, 1))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return [bos + stream[(seed * 7919 + i * step) % span:][:length - len(bos)] for i in range(count)]
@@ -110,7 +115,8 @@ def run_engine_bench(url: str, model: str, tokenizer, contexts: list[int], concu
                      rounds: int = 5, new_tokens: int = 16, progress=print) -> dict:
     """Every row of the benchmark against the server at ``url`` (started with ``kvbridge serve``)."""
     need = {c: sum(2 * k * (warmup + rounds) for k in concurrencies) for c in contexts}
-    prompts = {c: token_windows(tokenizer, need[c] + 1, c, seed=i) for i, c in enumerate(contexts)}
+    stream = heldout_stream(tokenizer)  # tokenized once for every length
+    prompts = {c: token_windows(tokenizer, stream, need[c] + 1, c, seed=i) for i, c in enumerate(contexts)}
     # streamed responses do not carry kv_transfer_params: one probe per length shows the server maps, not falls back
     for c in contexts:
         said = outcome(url, model, prompts[c].pop())
