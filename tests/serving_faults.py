@@ -7,7 +7,7 @@ FAULT_MARKER = "# FAULT INJECTED HERE\n"
 
 
 class FaultyConnector(KVBridgeConnector):
-    def map_prompt(self, token_ids):
+    def map_prompt(self, token_ids, *args, **kwargs):
         if self._bridge.tokenizer.decode(token_ids[:24], skip_special_tokens=True).startswith(FAULT_MARKER.strip()):
             raise RuntimeError("injected map failure")
-        return super().map_prompt(token_ids)
+        return super().map_prompt(token_ids, *args, **kwargs)

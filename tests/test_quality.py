@@ -280,9 +280,13 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
     assert keys.dtype == torch.int64 and torch.equal(keys, mapper.weights["recompute.bigram.keys"])
     bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")))
     assert bridge.recompute == 0.1 and bridge.recompute_by != "surprisal"
+    import kvbridge.transfer as transfer
+
     seen = []
-    original = models.prefill  # what selective_recompute calls
-    monkeypatch.setattr(models, "prefill", lambda *a, **k: seen.append(k.get("logits")) or original(*a, **k))
+    original = models.prefill  # what selective_recompute and Bridge.source_prefill call
+    spy = lambda *a, **k: seen.append(k.get("logits", a[4] if len(a) > 4 else "all")) or original(*a, **k)  # noqa: E731
+    monkeypatch.setattr(models, "prefill", spy)
+    monkeypatch.setattr(transfer, "prefill", spy)
     assert bridge.generate(["def f(x):\n    return x +"], max_new_tokens=3).token_ids
     assert seen and "all" not in seen
 

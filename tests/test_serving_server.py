@@ -1,5 +1,7 @@
 """`kvbridge serve` as a user runs it: vLLM's OpenAI-compatible server on 127.0.0.1, one server for the module,
-answered through the `openai` client — completions, chat, streaming, mapped and native, bad requests, metrics."""
+answered through the `openai` client — completions, chat, streaming, mapped and native, bad requests, metrics — beside
+`kvbridge serve-source` sharing its KV store, as `kvbridge cascade` starts them: a conversation escalated from the
+source's server to the target's is mapped from the source's stored KV."""
 
 from __future__ import annotations
 
@@ -18,14 +20,22 @@ STARTUP_S = 240
 
 
 @pytest.fixture(scope="module")
-def server(family_fast_mapper, tmp_path_factory):
-    """(base url, log path) of `kvbridge serve` on the embedded family with the fast mapper, started once."""
-    from kvbridge.serving.server import launched
+def servers(family_fast_mapper, tmp_path_factory):
+    """(source url, target url, log folder): `kvbridge serve-source` and `kvbridge serve --store` on the embedded
+    family with the fast mapper, sharing a store, started once."""
+    from kvbridge.serving.cascade import launched_pair
 
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = ["--mapper", family_fast_mapper, "--max-model-len", "2048", "--max-num-seqs", "8"]
-    with launched(args, log, STARTUP_S) as url:
-        yield url, log
+    logs = tmp_path_factory.mktemp("serve")
+    store = str(logs / "store")
+    target = ["--mapper", family_fast_mapper, "--store", store, "--max-model-len", "2048", "--max-num-seqs", "8"]
+    with launched_pair(["--store", store, "--max-num-seqs", "8"], target, logs, STARTUP_S) as urls:
+        yield (*urls, logs)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    """(base url, log path) of the target's `kvbridge serve`."""
+    return servers[1], servers[2] / "target.log"
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +120,32 @@ def test_metrics_count_outcomes(server, client):
         time.sleep(1)
     assert mapped and float(mapped[0].split()[-1]) >= 1, [x for x in text.splitlines() if "kvbridge" in x]
     assert "vllm:kvbridge_map_seconds_total" in text
+
+
+def test_an_escalated_conversation_is_mapped_from_the_sources_stored_kv(servers, client):
+    """Two turns on the source's server, the third on the target's: the target reads the stored blocks of the
+    history (no source prefill for them) and answers as it does from a cold transfer."""
+    from openai import OpenAI
+
+    source = OpenAI(base_url=servers[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert source.models.list().data[0].id == "kvbridge-family-source"
+    messages = [{"role": "user", "content": long_prompt(60)}]
+    for question in ("# and then", None):
+        answer = source.chat.completions.create(model="kvbridge-family-source", messages=messages, max_tokens=24,
+                                                temperature=0).choices[0].message.content
+        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": question or "# finally"})
+    time.sleep(1.0)  # the source engine stores its blocks behind its steps
+    warm = client.chat.completions.create(model="kvbridge-family", messages=messages, max_tokens=8, temperature=0)
+    cold = client.chat.completions.create(model="kvbridge-family", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"kv_transfer_params": {"kvbridge_store": False},
+                                                      "cache_salt": "cold"})
+    status = warm.kv_transfer_params
+    assert status["kvbridge"] == "mapped" and status["kvbridge_stored_tokens"] >= 128, status
+    assert cold.kv_transfer_params["kvbridge_stored_tokens"] == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="kvbridge_store"):
+        client.completions.create(model="kvbridge-family", prompt="def f(x):", max_tokens=2,
+                                  extra_body={"kv_transfer_params": {"kvbridge_store": "yes"}})

@@ -7,10 +7,13 @@ import sys
 from pathlib import Path
 
 from . import __version__
+from .console import EPILOG
+from .console import check_results as _check_results
+from .console import counts as _contexts
+from .console import log as _log
+from .console import require as _require
 from .errors import KVBridgeError
-from .outputs import check_output_dir, check_output_file, check_plot_file, write_text
-
-EPILOG = "Models are local folders or hub ids (pin them with --source-revision/--target-revision)."
+from .outputs import check_output_dir, check_output_file, write_text
 
 
 def _add_pair(p: argparse.ArgumentParser) -> None:
@@ -812,267 +815,6 @@ def _cmd_push(args) -> int:
     return 0
 
 
-def _add_serve_pair(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
-    g.add_argument("--mapper", help="mapper folder or hub id")
-    g.add_argument("--mapper-revision", help="hub revision of the mapper")
-    g.add_argument("--source", help="source model (folder or hub id)")
-    g.add_argument("--target", help="target model, the one vLLM serves (folder or hub id)")
-    g.add_argument("--source-revision", help="hub revision of the source")
-    g.add_argument("--target-revision", help="hub revision of the target")
-    g.add_argument("--allow-revision-mismatch", action="store_true",
-                   help="accept models whose revision differs from the mapper's record")
-    g.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
-    g.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
-                                                   "connector (default: the mapper's; 0: none)")
-    g.add_argument("--connector-device", default="auto",
-                   help="device of the source and mapper inside the engine's worker (default: auto: cuda when a GPU "
-                        "is there, else cpu)")
-    g.add_argument("--connector-dtype", default="auto",
-                   help="their dtype, and the engine's unless --dtype is given (default: auto: float32 on CPU, "
-                        "bfloat16 on GPU)")
-
-
-def _serve_config(args, **settings):
-    """``(ServeConfig, served model name, is the family)`` from the pair options (hub ids resolved to folders)."""
-    from . import family
-    from .artifact import resolve
-    from .models import check_device
-    from .serving.config import ServeConfig
-    from .serving.server import resolve_model
-
-    if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
-        raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
-    if args.connector_device == "auto":
-        import torch
-
-        args.connector_device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(args.connector_device, "--connector-device")
-    if args.source:
-        source = resolve_model(args.source, args.source_revision)
-        target = resolve_model(args.target, args.target_revision)
-        name = args.target if not Path(args.target).exists() else Path(args.target).name
-    else:
-        source, target, name = family.source_path(), family.target_path(), "kvbridge-family"
-    mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
-    runtime = {k: v for k, v in (("hold_back", args.hold_back), ("recompute", args.recompute)) if v is not None}
-    config = ServeConfig(mapper=mapper, source=source, target=target, device=args.connector_device,
-                         dtype=args.connector_dtype, runtime=runtime,
-                         allow_revision_mismatch=args.allow_revision_mismatch, **settings)
-    return config, name, not args.source
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    from .serving.config import MODES, ServeConfig
-
-    d = ServeConfig(mapper="-", source="-", target="-")
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve",
-        description="Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
-                    "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
-                    "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
-                    "Any failure for a request falls back to a native prefill. With no pair, the embedded family "
-                    "and its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.",
-        epilog="Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
-               "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
-    _add_serve_pair(p)
-    r = p.add_argument_group("requests")
-    r.add_argument("--mode", choices=MODES, default=d.mode,
-                   help=f"default for requests whose kv_transfer_params do not say (default: {d.mode})")
-    r.add_argument("--min-tokens", type=int, default=None,
-                   help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
-                        f"{d.min_tokens})")
-    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair: auto's threshold is the shortest "
-                                   "context whose mapped TTFT beat native")
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--served-model-name", help="model name clients send (default: the target's hub id or folder "
-                                               "name; kvbridge-family for the embedded family)")
-    return p
-
-
-def _cmd_serve(args) -> int:
-    from . import family
-    from .serving.server import break_even, serve
-
-    min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
-    config, name, is_family = _serve_config(args, mode=args.mode,
-                                            **({"min_tokens": min_tokens} if min_tokens is not None else {}))
-    if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
-        args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
-    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args)
-
-
-def _serve_eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve-eval",
-        description="Retention through vLLM: the family tasks (perplexity, 4-way cloze, random- and real-span "
-                    "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
-                    "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
-                    "runs in this process (vllm.LLM) in the connector's dtype.")
-    _add_serve_pair(p)
-    p.add_argument("--items", type=int, default=48, help="held-out documents per length (default: 48)")
-    p.add_argument("--lengths", default="256,1024", help="document lengths in tokens (default: 256,1024)")
-    p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
-    return p
-
-
-def _cmd_serve_eval(args) -> int:
-    import json
-
-    from . import family
-    from .outputs import write_text
-    from .serving.config import engine_kwargs
-    from .serving.quality import engine_retention, retention_rows
-    from .serving.server import cpu_defaults
-    from .transfer import Bridge
-
-    lengths = _contexts(args.lengths, minimum=64, flag="--lengths")
-    if args.items < 4:
-        raise KVBridgeError("--items must be at least 4 (the cloze task draws its distractors from other rows).")
-    if args.json:
-        check_output_file(args.json, "--json")
-    config, _, _ = _serve_config(args)
-    _require("vllm", "serve", "kvbridge serve-eval")
-    from .serving.server import preflight
-
-    preflight(config)
-    if config.device == "cpu":
-        cpu_defaults()
-    from vllm import LLM
-
-    from .models import resolve_dtype
-
-    dtype = resolve_dtype(config.dtype, config.device)
-    bridge = Bridge.from_pretrained(config.source, config.target, config.mapper, device=config.device, dtype=dtype,
-                                    allow_revision_mismatch=config.allow_revision_mismatch, **config.runtime)
-    llm = LLM(**engine_kwargs(config, dtype=str(dtype).replace("torch.", ""), enforce_eager=config.device == "cpu"))
-    try:
-        report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, _log)
-    except RuntimeError as exc:
-        raise KVBridgeError(f"the engine could not score the family tasks: {exc}") from None
-    finally:
-        llm.llm_engine.engine_core.shutdown()  # now: vLLM's threads abort the process at interpreter exit
-    print(retention_rows(report))
-    if args.json:
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
-        write_text(str(Path(args.json).with_suffix(".md")), retention_rows(report) + "\n")
-    return 0
-
-
-def _serve_bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve-bench",
-        description="Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` (every "
-                    "option this command does not know goes to it, and through it to vLLM) or measures a running one "
-                    "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
-                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput.")
-    p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
-    p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
-    p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
-    p.add_argument("--concurrency", default="1,4,8", help="simultaneous requests per wave (default: 1,4,8)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds; a round is one wave of each mode (default: 5)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
-    p.add_argument("--json", help="write every row to this file (and the table beside it as .md)")
-    p.add_argument("--plot", help="write a PNG: TTFT and speed-up vs context")
-    p.add_argument("--log", default="kvbridge-serve-bench.log", help="the started server's log (default: %(default)s)")
-    return p
-
-
-def _cmd_serve_bench(args) -> int:
-    from transformers import AutoTokenizer
-
-    from . import family
-    from .serving.bench import engine_table, plot_engine, run_engine_bench, write_report
-    from .serving.server import launched, resolve_model
-
-    contexts = _contexts(args.contexts, minimum=2)
-    concurrency = _contexts(args.concurrency, minimum=1, flag="--concurrency")
-    if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
-        raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
-    _check_results(args, "kvbridge serve-bench")
-    _require("openai", "serve", "kvbridge serve-bench")
-    from .serving.server import flag_value, given_flags
-
-    rest = list(args.serve_args)
-    given = given_flags(rest)
-    target = flag_value(rest, "--target")
-    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    say = lambda m: _log(f"  {m}")  # noqa: E731
-    import openai
-
-    try:
-        if args.url:
-            import json
-            import urllib.request
-
-            try:
-                with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models", timeout=30) as r:
-                    model = args.model or json.loads(r.read())["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise KVBridgeError(f"--url {args.url}: no OpenAI-compatible /v1/models there; give the base URL "
-                                    "of a kvbridge serve server (http://HOST:PORT).") from None
-            report = run_engine_bench(args.url.rstrip("/"), model, tokenizer, contexts, concurrency, args.warmup,
-                                      args.rounds, args.new_tokens, say)
-        else:
-            if "--served-model-name" not in given:
-                rest += ["--served-model-name", "kvbridge-bench"]
-            model = flag_value(rest, "--served-model-name")
-            _log(f"starting kvbridge serve {' '.join(rest)} (log: {args.log})")
-            with launched(rest, args.log) as url:
-                report = run_engine_bench(url, model, tokenizer, contexts, concurrency, args.warmup, args.rounds,
-                                          args.new_tokens, say)
-    except openai.OpenAIError as exc:
-        raise KVBridgeError(f"the server refused a benchmark request ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:300]}); check --model, --contexts against the server's "
-                            "--max-model-len, and the server's log.") from None
-    import platform
-
-    import torch
-
-    report["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-    print(f"\n{report['device']}; median of {report['rounds']} rounds after {report['warmup_rounds']} warm-ups; "
-          f"{report['new_tokens']} tokens per request; cold transfer (the source prefills inside the connector)\n")
-    print(engine_table(report))
-    if args.json:
-        write_report(report, args.json)
-    if args.plot:
-        plot_engine(report, args.plot)
-    return 0
-
-
-def _check_results(args, command: str) -> None:
-    """--json and --plot checked before the work they record (a plot's suffix and matplotlib included)."""
-    if args.json:
-        check_output_file(args.json, "--json")
-    if args.plot:
-        check_plot_file(args.plot, "--plot")
-        _require("matplotlib", "plot", f"{command} --plot")
-
-
-def _require(module: str, extra: str, what: str) -> None:
-    """Fail in one line, before any work, when an optional dependency is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise KVBridgeError(f"{what} needs {module}, which is not installed: pip install \"kvbridge[{extra}]\"")
-
-
-def _contexts(text: str, minimum: int, flag: str = "--contexts") -> list[int]:
-    """--contexts (or ``flag``): comma-separated counts, each at least ``minimum``."""
-    try:
-        contexts = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        contexts = []
-    if not contexts or min(contexts) < minimum:
-        raise KVBridgeError(f"{flag} must be comma-separated integers >= {minimum}, e.g. 1024,8192, not {text!r}.")
-    return contexts
-
-
 def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) else "?"
 
@@ -1085,17 +827,14 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
             "frontier": _cmd_frontier,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
-            "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push, "serve": _cmd_serve,
-            "serve-bench": _cmd_serve_bench, "serve-eval": _cmd_serve_eval}
+            "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}
 
 
+# their parsers and handlers live in kvbridge.serving.commands
+SERVING = ("serve", "serve-source", "cascade", "serve-bench", "cascade-bench", "serve-eval")
 LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
 
 
@@ -1115,18 +854,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = _join_negative_lists(sys.argv[1:] if argv is None else list(argv))
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
         args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
-    elif argv[:1] == ["serve"]:  # options kvbridge does not know belong to `vllm serve`
-        args, rest = _serve_parser().parse_known_args(argv[1:])
-        args.command, args.vllm_args = "serve", rest
-    elif argv[:1] == ["serve-eval"]:
-        args = _serve_eval_parser().parse_args(argv[1:])
-        args.command = "serve-eval"
-    elif argv[:1] == ["serve-bench"]:  # ... and those serve-bench does not know to `kvbridge serve`
-        args, rest = _serve_bench_parser().parse_known_args(argv[1:])
-        args.command, args.serve_args = "serve-bench", rest
+    elif argv[:1] and argv[0] in SERVING:  # their own parsers: options kvbridge does not know go to vLLM
+        from .serving import commands
+
+        args = commands.parse(argv[0], argv[1:])
     else:
         args = _parser().parse_args(argv)
     try:
+        if args.command in SERVING:
+            from .serving import commands
+
+            return commands.COMMANDS[args.command](args)
         return COMMANDS[args.command](args)
     except KVBridgeError as exc:
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)

@@ -347,8 +347,9 @@ def cache_of(output):
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-            logits: str = "all"):
-    """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``.
+            logits: str = "all", cache=None):
+    """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``. ``cache``: a cache of earlier
+    tokens to continue (``attention_mask`` then covers them too).
 
     ``logits``: ``"all"`` positions, ``"last"`` (what a serving prefill computes), ``"none"`` (decoder
     only: a source prefill for transfer needs its cache, not its vocabulary projection) or ``"hidden"``
@@ -359,6 +360,8 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
         position_ids = positions_from_mask(attention_mask)
     kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                   position_ids=position_ids.to(device), use_cache=True)
+    if cache is not None:
+        kwargs.update(with_cache(cache))
     if logits in ("none", "hidden"):
         out = model.get_decoder()(**kwargs)
         return cache_of(out), (out.last_hidden_state if logits == "hidden" else None)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -375,30 +376,50 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
     return make_cache(model, [layer.keys for layer in work.layers], [layer.values for layer in work.layers])
 
 
-@torch.no_grad()
-def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
-    """The mapped cache of a left-padded batch with ``bridge.recompute`` of its prefix tokens (and the sink)
-    recomputed by the target: source prefill (with what the criterion needs), map, choose, recompute.
-    ``owing``: return the cache before the recompute, owing it to the next forward pass over it
-    (:func:`owing_cache`)."""
+@dataclass
+class Stored:
+    """The source's own K/V of a prompt's first ``tokens`` tokens (per layer (1, H, tokens, D), keys with RoPE) and
+    its final hidden states there (1, tokens, S): what an engine that served the source kept (warm transfer)."""
+
+    tokens: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: torch.Tensor
+
+
+def source_scores(bridge, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                  stored: Stored | None = None):
+    """``(source cache, final hidden states or None, scores (B, T))``: the source's prefill (over what ``stored``
+    does not cover) with what the criterion needs, and each token's score (higher: recompute first)."""
     from .models import prefill
 
     source = bridge.source.model
-    positions = positions_from_mask(mask)
     reads_state = bridge.mapper.config.reads_state
-    if bridge.recompute_by == "surprisal" and not reads_state:
+    if stored is None and bridge.recompute_by == "surprisal" and not reads_state:
         source_cache, logits = prefill(source, ids, mask, positions, logits="all")
-        scores, hidden = surprisal(logits, ids), None
+        return source_cache, None, surprisal(logits, ids)
+    wants = bridge.recompute_by != "bigram" or reads_state
+    source_cache, _, hidden = bridge.source_prefill(ids, mask, stored, state=wants)
+    if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
+        scores = surprisal(logits_from_hidden(source, hidden), ids)
+    elif bridge.recompute_by == "logit":
+        scores = negative_logit(source, hidden, ids)
     else:
-        wants = bridge.recompute_by != "bigram" or reads_state
-        source_cache, hidden = prefill(source, ids, mask, positions, logits="hidden" if wants else "none")
-        if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
-            scores = surprisal(logits_from_hidden(source, hidden), ids)
-        elif bridge.recompute_by == "logit":
-            scores = negative_logit(source, hidden, ids)
-        else:
-            scores = bigram_surprisal(ids, bridge.mapper.weights)
-    cache = bridge.map_cache(source_cache, positions, hidden if reads_state else None)
+        scores = bigram_surprisal(ids, bridge.mapper.weights)
+    return source_cache, hidden, scores
+
+
+@torch.no_grad()
+def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False,
+                        stored: Stored | None = None):
+    """The mapped cache of a left-padded batch with ``bridge.recompute`` of its prefix tokens (and the sink)
+    recomputed by the target: source prefill (with what the criterion needs; ``stored``: the source's own K/V and
+    hidden states of the first tokens, the prefill runs over the rest only), map, choose, recompute.
+    ``owing``: return the cache before the recompute, owing it to the next forward pass over it
+    (:func:`owing_cache`)."""
+    positions = positions_from_mask(mask)
+    source_cache, hidden, scores = source_scores(bridge, ids, mask, positions, stored)
+    cache = bridge.map_cache(source_cache, positions, hidden if bridge.mapper.config.reads_state else None)
     mask = mask.to(scores.device)
     scored = (mask == 1) & (torch.nn.functional.pad(mask[:, :-1], (1, 0)) == 1)  # a row's first token has no score
     scores = window_mean(scores, scored, bridge.recompute_window)

@@ -36,7 +36,7 @@ from .models import (
     with_cache,
 )
 from .prompts import PromptBatches, check_batch
-from .recompute import reading, selective_recompute
+from .recompute import Stored, reading, selective_recompute
 from .rope import plain_positions, rope_factors, rotate_
 from .scoring import Score, score_ids, score_texts
 
@@ -184,26 +184,47 @@ class Bridge(PromptBatches):
         return self.recompute > 0 or self.sink
 
     @torch.no_grad()
-    def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+    def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor, stored: Stored | None = None,
+                       state: bool | None = None):
         """``(cache, positions, state)``: the source's own cache over a left-padded batch (decoder only, no
-        logits), its positions, and its final hidden states when the mapper reads them (else None)."""
+        logits), its positions, and its final hidden states when the mapper reads them or ``state`` asks (else
+        None). ``stored``: the source's own K/V and hidden states of the first tokens of a one-row batch, kept by
+        the engine that served them (warm transfer); the source then runs over the remaining tokens only."""
         positions = positions_from_mask(mask)
-        cache, state = prefill(self.source.model, ids, mask, positions,
-                               logits="hidden" if self.mapper.config.reads_state else "none")
-        return cache, positions, state
+        state = self.mapper.config.reads_state if state is None else state
+        if stored is None or stored.tokens == 0:
+            cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden" if state else "none")
+            return cache, positions, hidden
+        n = stored.tokens
+        if ids.shape[0] != 1 or not bool(mask.all()) or n > ids.shape[1]:
+            raise InputError(f"stored source K/V cover the first tokens of one unpadded prompt; got a batch of "
+                             f"{tuple(ids.shape)} with {n} stored tokens.")
+        model = self.source.model
+        param = next(model.parameters())
+        keys, values = ([t.to(param.device, param.dtype) for t in kv] for kv in (stored.keys, stored.values))
+        if len(keys) != self.mapper.config.source.num_layers or any(k.shape[2] != n for k in keys + values) or \
+                stored.hidden.shape[:2] != (1, n):
+            raise InputError("the stored source K/V do not match the source model's layers or the stored length.")
+        cache = make_cache(model, keys, values)
+        hidden = stored.hidden.to(param.device, param.dtype)
+        if n < ids.shape[1]:  # the source computes the rest over its own stored K/V
+            cache, rest = prefill(model, ids[:, n:], mask, positions[:, n:], "hidden" if state else "none", cache)
+            hidden = torch.cat([hidden, rest], dim=1) if state else None
+        return cache, positions, hidden if state else None
 
     def map_cache(self, source_cache, positions: torch.Tensor, state: torch.Tensor | None = None):
         """Source cache (and final hidden states, if the mapper reads them) → target ``DynamicCache``."""
         return map_source_cache(self.source.model, self.target.model, self.mapper, source_cache, positions,
                                 self.chunk_tokens, state)
 
-    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
+    def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False, stored: Stored | None = None):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
         ``recompute``/``sink``, the target's recompute of the chosen tokens). ``owing``: the recompute is left
-        to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`."""
+        to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`.
+        ``stored``: the source's own K/V of the prompt's first tokens (warm transfer, :meth:`source_prefill`)."""
         if not self.selects_tokens:
-            return self.map_cache(*self.source_prefill(ids, mask))
-        return selective_recompute(self, ids, mask, owing)
+            return self.map_cache(*self.source_prefill(ids, mask, stored))
+        return selective_recompute(self, ids, mask, owing, stored)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
         """The model that continues and its cache over all but the last :meth:`held_back` columns.

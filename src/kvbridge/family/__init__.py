@@ -18,6 +18,7 @@ CHECKPOINTS = FAMILY_DIR / "checkpoints"
 DATA = FAMILY_DIR / "data"
 SOURCE = CHECKPOINTS / "source"
 TARGET = CHECKPOINTS / "target"
+DEEP = FAMILY_DIR / "deep"  # the deep family (8-layer target, 4-layer source trained independently)
 
 
 def _require(path: Path) -> Path:

@@ -33,6 +33,7 @@ and ended at 93 %, then a new source was pruned and distilled. ``family.json`` r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -199,42 +200,62 @@ def ministral3(layers: int, hidden: int, intermediate: int, rope: dict):
 
 
 def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, probe, teacher=None, tag="",
-          log_every: int = 100, until_alphabet: int | None = None, shapes=None):
+          log_every: int = 100, until_alphabet: int | None = None, shapes=None, autocast=None, resume=None,
+          save=None, save_every: int = 100, grow_after: int | None = None):
     """AdamW with warmup and cosine decay; with ``teacher``, loss = KL(teacher ‖ model) + 0.5·CE.
 
     ``shapes(step)``, when given, returns ``(row length, batch)`` for that step (a length curriculum).
+    ``autocast``: a dtype for ``torch.autocast`` on the model's device (bfloat16 on CPUs with AVX-512 BF16 is
+    about 1.4× faster here), None for plain float32. Resumable: every ``save_every`` steps ``save(state)``
+    receives everything the loop needs to go on (:func:`loop_state`); ``resume`` is such a state.
+    Returns the seconds spent in this call (a resumed run adds its earlier seconds, kept in the state).
+    ``grow_after``: pure-row batches at one alphabet size before it doubles anyway (default ``GROW_AFTER``).
     """
+    grow_after = GROW_AFTER if grow_after is None else grow_after
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 40)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
-    start, ema, copy_acc, since = time.time(), None, None, 0
-    for step in range(steps):
+    start, ema, copy_acc, since, first, earlier = time.time(), None, None, 0, 0, 0.0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["opt"])
+        sched.load_state_dict(resume["sched"])
+        rows.rng.setstate(resume["rows_rng"])
+        torch.set_rng_state(resume["torch_rng"])
+        rows.alphabet, copy_acc, since, ema = resume["alphabet"], resume["copy_acc"], resume["since"], resume["ema"]
+        first, earlier = resume["step"], resume["seconds"]
+        log(f"{tag} resumes at step {first}/{steps}")
+    device = next(model.parameters()).device
+    cast = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast else contextlib.nullcontext
+    for step in range(first, steps):
         mix = curriculum(step / steps)
         if shapes is not None:
             rows.seq, batch = shapes(step)
         ids, pure = rows.batch(batch, mix)
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        ids, pure = ids.to(device), pure.to(device)
+        with cast():
+            out = model(input_ids=ids, labels=ids, use_cache=False)
         if pure.any():  # copy accuracy on the second half of pure-repeat rows drives the alphabet
             with torch.no_grad():
                 half = ids.shape[1] // 2
                 hit = (out.logits[pure, half:-1].argmax(-1) == ids[pure, half + 1 :]).float().mean().item()
             copy_acc = hit if copy_acc is None else 0.9 * copy_acc + 0.1 * hit
             since += 1
-            if (copy_acc > 0.8 or since >= GROW_AFTER) and rows.alphabet < len(rows.frequent):
+            if (copy_acc > 0.8 or since >= grow_after) and rows.alphabet < len(rows.frequent):
                 rows.alphabet = min(2 * rows.alphabet, len(rows.frequent))
                 copy_acc, since = None, 0
                 log(f"{tag} step {step}: alphabet grows to {rows.alphabet}")
                 if until_alphabet and rows.alphabet >= until_alphabet:
                     break
-        loss = out.loss
+        loss = out.loss.float()
         if teacher is not None:
-            with torch.no_grad():
+            with torch.no_grad(), cast():
                 t_logits = teacher(input_ids=ids, use_cache=False).logits
-            kl = F.kl_div(F.log_softmax(out.logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+            kl = F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(t_logits.float(), -1), log_target=True,
                           reduction="batchmean") / ids.shape[1]
-            loss = kl + 0.5 * out.loss
+            loss = kl + 0.5 * loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -243,13 +264,19 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % log_every == 0 or step == steps - 1:
             model.eval()
-            rec = recall_accuracy(model, *probe)
+            with cast():
+                rec = recall_accuracy(model, *(p.to(device) if torch.is_tensor(p) else p for p in probe))
             model.train()
             log(f"{tag} step {step}/{steps} loss {ema:.3f} recall {rec:.1%} copy {copy_acc or 0:.1%} "
                 f"alphabet {rows.alphabet} pure {mix['pure']:.2f} rows {batch}×{rows.seq} "
-                f"({time.time() - start:.0f} s)")
+                f"({earlier + time.time() - start:.0f} s)")
+        if save is not None and (step + 1) % save_every == 0 and step + 1 < steps:
+            save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                  "rows_rng": rows.rng.getstate(), "torch_rng": torch.get_rng_state(), "alphabet": rows.alphabet,
+                  "copy_acc": copy_acc, "since": since, "ema": ema, "step": step + 1,
+                  "seconds": earlier + time.time() - start})
     model.eval()
-    return time.time() - start
+    return earlier + time.time() - start
 
 
 def copy_curriculum(progress: float) -> dict[str, float]:

@@ -11,9 +11,11 @@ A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbr
 * ``auto``: ``mapped`` for prompts of at least ``min_tokens`` tokens, ``native`` below (mapping a short prompt
   costs more than it saves: measure the break-even with ``kvbridge bench``).
 
-``"kvbridge_hold_back": n`` (optional) makes the engine compute the last ``n`` prompt tokens itself instead of the
-mapper's hold-back: a scoring request that asks for ``prompt_logprobs`` of a continuation holds the continuation
-back, so it is scored by the target over the mapped context.
+``"kvbridge_store": false`` (optional) builds the prefix from a fresh source prefill even when the server's KV store
+holds the source's own K/V of it (the cold path, for comparisons). ``"kvbridge_hold_back": n`` (optional) makes
+the engine compute the last ``n`` prompt tokens itself instead of the mapper's hold-back: a scoring request that
+asks for ``prompt_logprobs`` of a continuation holds the continuation back, so it is scored by the target over the
+mapped context.
 
 Approximate K/V stay approximate: a mapped request's blocks live in the prefix cache under a ``cache_salt``
 of their own (:func:`namespace`: the mapper's checksums and runtime options), so a request that did not ask
@@ -33,14 +35,36 @@ from ..errors import InputError
 MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
 HOLD_BACK = "kvbridge_hold_back"  # and its own hold-back, optionally
+USE_STORE = "kvbridge_store"  # and whether stored source K/V may be used (default: yes, when the server has a store)
 CONNECTOR = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.serving.connector"
+PRODUCER = "KVBridgeSourceConnector"
+PRODUCER_MODULE = "kvbridge.serving.producer"
 NAMESPACE_PREFIX = "kvbridge-"
 MAX_SALT = 128  # vLLM's limit on cache_salt
 
 
+class ExtraConfig:
+    """A connector's settings as ``kv_connector_extra_config`` (a JSON object) and back."""
+
+    @classmethod
+    def from_extra(cls, extra: Any):
+        """From ``kv_connector_extra_config`` (unknown keys are refused: a misspelled option would be ignored)."""
+        if not isinstance(extra, dict):
+            raise InputError("kvbridge serving: kv_connector_extra_config must be a JSON object.")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise InputError(f"kvbridge serving: unknown connector option(s) {', '.join(unknown)}; the options "
+                             f"are {', '.join(sorted(names))}.")
+        return cls(**extra)
+
+    def to_extra(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(ExtraConfig):
     """The connector's settings (``kv_connector_extra_config``), validated on construction.
 
     ``mapper``, ``source`` and ``target``: folders (resolved hub snapshots included); ``target`` must be the model
@@ -48,6 +72,8 @@ class ServeConfig:
     prompt length. ``device``/``dtype``: where the source and the mapper run inside the engine's worker (the
     target's transformers copy — its RoPE, its config, its weights for the recompute — sits beside them).
     ``runtime``: overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
+    ``store``: the folder of the source engine's KV store (warm transfer: stored blocks of a prompt are mapped
+    without a source prefill); ``store_verify``: check each entry's CRC-32 as it is read.
     """
 
     mapper: str
@@ -59,6 +85,8 @@ class ServeConfig:
     dtype: str = "auto"
     runtime: dict[str, Any] = field(default_factory=dict)
     allow_revision_mismatch: bool = False
+    store: str | None = None
+    store_verify: bool = True
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -69,25 +97,31 @@ class ServeConfig:
                              f"{self.mode!r}.")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 2:
             raise InputError(f"kvbridge serving: min_tokens must be an integer >= 2, not {self.min_tokens!r}.")
+        if self.store is not None and (not isinstance(self.store, str) or not self.store):
+            raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
         known = {"hold_back", "recompute", "recompute_by", "recompute_window", "sink"}
         if not isinstance(self.runtime, dict) or set(self.runtime) - known:
             raise InputError(f"kvbridge serving: runtime overrides must be a dict of {', '.join(sorted(known))}, "
                              f"not {self.runtime!r}.")
 
-    @classmethod
-    def from_extra(cls, extra: Any) -> ServeConfig:
-        """From ``kv_connector_extra_config`` (unknown keys are refused: a misspelled option would be ignored)."""
-        if not isinstance(extra, dict):
-            raise InputError("kvbridge serving: kv_connector_extra_config must be a JSON object.")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - names)
-        if unknown:
-            raise InputError(f"kvbridge serving: unknown connector option(s) {', '.join(unknown)}; the options are "
-                             f"{', '.join(sorted(names))}.")
-        return cls(**extra)
 
-    def to_extra(self) -> dict[str, Any]:
-        return asdict(self)
+
+@dataclass(frozen=True)
+class StoreConfig(ExtraConfig):
+    """The source engine's connector settings (:mod:`kvbridge.serving.producer`): the ``store`` folder, its
+    ``cap_bytes`` (least recently used blocks go beyond it), and the ``source`` checkpoint folder when the engine
+    serves it under another path (its identity is read from it; default: the served model)."""
+
+    store: str
+    cap_bytes: int = 2 << 30
+    source: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.store, str) or not self.store:
+            raise InputError(f"kvbridge source connector: store must be a folder, not {self.store!r}.")
+        if not isinstance(self.cap_bytes, int) or isinstance(self.cap_bytes, bool) or self.cap_bytes < 1:
+            raise InputError(f"kvbridge source connector: cap_bytes must be a positive integer, not "
+                             f"{self.cap_bytes!r}.")
 
 
 def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
@@ -155,6 +189,23 @@ def request_hold_back(params: Any) -> int | None:
     return value
 
 
+def request_use_store(params: Any) -> bool:
+    """A request's ``kv_transfer_params.kvbridge_store`` (False: build the mapped prefix from a fresh source prefill
+    even when the store holds it — the cold path); True when it sets none; InputError for a non-boolean."""
+    value = params.get(USE_STORE, True) if isinstance(params, dict) else True
+    if not isinstance(value, bool):
+        raise InputError(f"kv_transfer_params.{USE_STORE} must be true or false, not {value!r}.")
+    return value
+
+
+def client_salt(salt: str | None, namespace_: str) -> str | None:
+    """The client's own part of a mapped request's cache_salt (``namespace:salt``), None when it set none: what
+    the source engine saw as that client's salt."""
+    if not isinstance(salt, str) or not in_namespace(salt, namespace_):
+        return salt
+    return salt[len(namespace_) + 1:] or None
+
+
 def llama4_scaling(target_dir: str | Path) -> dict[str, Any] | None:
     """The ``hf_overrides`` that make vLLM apply Ministral-3's position-dependent query scaling as transformers does.
 
@@ -174,6 +225,12 @@ def llama4_scaling(target_dir: str | Path) -> dict[str, Any] | None:
         return None
     scaling = {"original_max_position_embeddings": int(original), "beta": float(beta)}
     return {"text_config": {"llama_4_scaling": scaling}} if "text_config" in config else {"llama_4_scaling": scaling}
+
+
+def producer_transfer_config(config: StoreConfig) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for an engine serving the source with the storing connector."""
+    return {"kv_connector": PRODUCER, "kv_connector_module_path": PRODUCER_MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": config.to_extra()}
 
 
 def engine_kwargs(config: ServeConfig | None = None, **vllm_options) -> dict[str, Any]:

@@ -40,7 +40,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 
 from ..errors import CompatibilityError, UnsupportedModelError
-from .config import PARAM, ServeConfig, in_namespace, mapper_namespace, request_hold_back, request_mode
+from .config import (
+    PARAM,
+    ServeConfig,
+    client_salt,
+    in_namespace,
+    mapper_namespace,
+    request_hold_back,
+    request_mode,
+    request_use_store,
+)
 
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
 STATUSES = ("mapped", "cached", "native", "short", "fallback")
@@ -56,6 +65,8 @@ class Load:
     start: int
     end: int
     block_ids: list[int]
+    salt: str | None = None  # the client's own cache_salt: the store's entries are keyed by it too
+    use_store: bool = True
 
 
 @dataclass
@@ -65,30 +76,32 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``) and map time."""
+    """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``), map time, prefix tokens
+    read from the store, and why a store entry was refused (None: none was)."""
 
-    outcomes: dict[str, tuple[str, float]] = field(default_factory=dict)
+    outcomes: dict[str, tuple[str, float, int, str | None]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
-        for rid, (status, ms) in getattr(other, "outcomes", {}).items():
-            if rid in merged and merged[rid][0] == "mapped" and status != "mapped":
-                merged[rid] = (status, ms)  # one worker's failure makes the request's load a failure
+        for rid, outcome in getattr(other, "outcomes", {}).items():
+            if rid in merged and merged[rid][0] == "mapped" and outcome[0] != "mapped":
+                merged[rid] = outcome  # one worker's failure makes the request's load a failure
             else:
-                merged.setdefault(rid, (status, ms))
+                merged.setdefault(rid, outcome)
         return KVBridgeWorkerMetadata(merged)
 
 
 @dataclass
 class KVBridgeStats(KVConnectorStats):
-    """Request counts by outcome and the map's time since the last interval (vLLM logs and exports them)."""
+    """Request counts by outcome, the map's time, prefix tokens read from the source's KV store and store entries
+    refused, since the last interval (vLLM logs and exports them)."""
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0}
+        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, "stored_tokens": 0, "store_refused": 0}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -96,14 +109,16 @@ class KVBridgeStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1)}
+        return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1),
+                "stored_tokens": self.data.get("stored_tokens", 0), "store_refused": self.data.get("store_refused", 0)}
 
     def is_empty(self) -> bool:
         return not any(self.data.get(s) for s in STATUSES)
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
-    """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}`` and ``vllm:kvbridge_map_seconds_total``."""
+    """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total``,
+    ``vllm:kvbridge_stored_tokens_total`` and ``vllm:kvbridge_store_refused_total``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -111,9 +126,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                      "(mapped, native, short, fallback)", labelnames=[*labelnames, "outcome"])
         seconds = self._counter_cls(name="vllm:kvbridge_map_seconds", documentation="time the kvbridge connector "
                                     "spent building mapped caches", labelnames=labelnames)
+        stored = self._counter_cls(name="vllm:kvbridge_stored_tokens", documentation="prompt tokens mapped from the "
+                                   "source engine's stored K/V (warm transfer: no source prefill)",
+                                   labelnames=labelnames)
+        refused = self._counter_cls(name="vllm:kvbridge_store_refused", documentation="source KV store entries "
+                                    "refused (another source model, torn or corrupted)", labelnames=labelnames)
         self._requests = {(e, s): requests.labels(*values, s) for e, values in per_engine_labelvalues.items()
                           for s in STATUSES}
         self._seconds = {e: seconds.labels(*values) for e, values in per_engine_labelvalues.items()}
+        self._stored = {e: stored.labels(*values) for e, values in per_engine_labelvalues.items()}
+        self._refused = {e: refused.labels(*values) for e, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for status in STATUSES:
@@ -121,6 +143,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self._requests[(engine_idx, status)].inc(transfer_stats_data[status])
         if transfer_stats_data.get("map_ms"):
             self._seconds[engine_idx].inc(transfer_stats_data["map_ms"] / 1000)
+        if transfer_stats_data.get("stored_tokens"):
+            self._stored[engine_idx].inc(transfer_stats_data["stored_tokens"])
+        if transfer_stats_data.get("store_refused"):
+            self._refused[engine_idx].inc(transfer_stats_data["store_refused"])
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -172,13 +198,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._decided: dict[str, tuple[str, int, int]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._map_ms: dict[str, float] = {}
+        self._stored: dict[str, int] = {}  # request id -> prefix tokens mapped from the source's stored K/V
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
         self._stats = KVBridgeStats()
         # worker side
         self._bridge = None
         self._layers: list[tuple[int, Any]] | None = None
         self._failed_blocks: set[int] = set()
-        self._outcomes: dict[str, tuple[str, float]] = {}
+        self._outcomes: dict[str, tuple[str, float, int, str | None]] = {}
+        self._store = None  # the source engine's KV store, once it exists
+        self._identity: str | None = None
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
 
@@ -201,7 +230,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
                      "transformers copy" if bridge.selects_tokens else "no selective recompute")
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
+        if self.config.store:
+            from ..models import source_hidden_size
+            from .store import identity
+
+            info = bridge.source.info
+            self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
+                                      info.head_dim, source_hidden_size(bridge.source.model))
+            logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill "
+                        "(warm transfer)", self.config.store)
         return bridge
+
+    def store(self):
+        """The source engine's KV store, None until that engine has created it (or without one)."""
+        if self._store is None and self.config.store:
+            from pathlib import Path
+
+            from .store import STORE_FILE, KVStore
+
+            if (Path(self.config.store) / STORE_FILE).exists():
+                self._store = KVStore(self.config.store, verify=self.config.store_verify)
+        return self._store
 
     def _attention_layers(self, forward_context) -> list[tuple[int, Any]]:
         if self._layers is None:
@@ -218,15 +267,28 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._layers
 
     @torch.no_grad()
-    def map_prompt(self, token_ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Post-RoPE target K/V (T, H, D) per layer for ``token_ids``, from the source's prefill and the mapper (and
-        the target's recompute of the chosen tokens): what :meth:`kvbridge.Bridge.mapped_cache` builds."""
+    def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool = True):
+        """``(keys, values, stored tokens, refusal)``: post-RoPE target K/V (T, H, D) per layer for ``token_ids``, from
+        the source and the mapper (and the target's recompute of the chosen tokens): what
+        :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
+        the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest only;
+        ``refusal`` says why a store entry was skipped (None: none was)."""
         from ..models import cache_kv
+        from ..recompute import Stored
 
+        stored, found = None, None
+        store = self.store() if use_store else None
+        if store is not None:
+            from .store import chain_seed
+
+            found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
+            if found.tokens:
+                stored = Stored(found.tokens, found.keys, found.values, found.hidden)
         ids = torch.tensor([token_ids], dtype=torch.long)
-        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
+        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
         keys, values = cache_kv(cache)
-        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values]
+        return ([k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values],
+                found.tokens if found else 0, found.reason if found else None)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -234,19 +296,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
+            stored, refused = 0, None
             try:
-                self._write(forward_context, load)
+                stored, refused = self._write(forward_context, load)
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self._failed_blocks.update(load.block_ids[load.start // self.block_size:])
                 logger.warning("kvbridge connector: request %s falls back to a native prefill (%s)",
                                load.request_id, status[len("fallback: "):])
-            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started))
+            if refused:
+                logger.warning("kvbridge connector: request %s: a stored source block was refused (%s); the source "
+                               "prefilled from there", load.request_id, refused)
+            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused)
 
-    def _write(self, forward_context, load: Load) -> None:
+    def _write(self, forward_context, load: Load) -> tuple[int, str | None]:
         layers = self._attention_layers(forward_context)
-        keys, values = self.map_prompt(load.token_ids[:load.end])
+        keys, values, stored, refused = self.map_prompt(load.token_ids[:load.end], load.salt, load.use_store)
         pos = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -255,6 +321,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             k, v = (x[load.start:load.end].to(kv_cache.device, kv_cache.dtype).contiguous()
                     for x in (keys[index], values[index]))
             layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
+        return stored, refused
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done in start_load_kv
@@ -281,6 +348,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         try:
             mode = request_mode(request.kv_transfer_params, self.config.mode)
             hold_back = request_hold_back(request.kv_transfer_params) or self.hold_back
+            request_use_store(request.kv_transfer_params)
         except Exception as exc:  # the HTTP layer refuses these with a 400; an offline caller gets native
             return f"fallback: {exc}", 0
         prompt = len(request.prompt_token_ids or ())
@@ -327,7 +395,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._status[rid], self._tokens[rid] = status, num_external_tokens if status == "mapped" else 0
         if num_external_tokens:
             self._planned[rid] = Load(rid, list(request.prompt_token_ids[:end]), end - num_external_tokens, end,
-                                      list(blocks.get_block_ids()[0]))
+                                      list(blocks.get_block_ids()[0]), client_salt(request.cache_salt, self.namespace),
+                                      request_use_store(request.kv_transfer_params))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVBridgeMetadata(list(self._planned.values()))
@@ -336,16 +405,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        for rid, (status, ms) in getattr(meta, "outcomes", {}).items():
+        for rid, (status, ms, stored, refused) in getattr(meta, "outcomes", {}).items():
             self._stats.data["map_ms"] += ms
+            self._stats.data["stored_tokens"] += stored
+            self._stats.data["store_refused"] += int(refused is not None)
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = ms
+                self._stored[rid] = stored
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
-        tokens, ms = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None)
+        tokens, ms, stored = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None), self._stored.pop(rid, None)
         for state in (self._planned, self._decided):
             state.pop(rid, None)
         if status is None:
@@ -354,6 +426,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         params: dict[str, Any] = {PARAM: status}
         if status == "mapped":
             params["kvbridge_mapped_tokens"] = tokens
+            if stored is not None and self.config.store:
+                params["kvbridge_stored_tokens"] = stored
         if ms is not None:
             params["kvbridge_map_ms"] = round(ms, 2)
         return False, params

@@ -17,7 +17,16 @@ import json
 import os
 
 from ..errors import InputError
-from .config import HOLD_BACK, NAMESPACE_PREFIX, PARAM, request_hold_back, request_mode, salted
+from .config import (
+    HOLD_BACK,
+    NAMESPACE_PREFIX,
+    PARAM,
+    USE_STORE,
+    request_hold_back,
+    request_mode,
+    request_use_store,
+    salted,
+)
 
 ENV = "KVBRIDGE_SERVE"
 PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes whose requests are salted
@@ -43,12 +52,13 @@ def check_body(data) -> None:
         raise InputError(f"the request's {deep[0]} nests more than {MAX_DEPTH} levels deep; kvbridge serve refuses it.")
     params = data.get("kv_transfer_params")
     if isinstance(params, dict):
-        unknown = sorted(set(params) - {PARAM, HOLD_BACK})
+        unknown = sorted(set(params) - {PARAM, HOLD_BACK, USE_STORE})
         if unknown:
             raise InputError(f"kv_transfer_params has unknown keys {', '.join(map(repr, unknown[:5]))}; this server "
-                             f"takes {PARAM!r} (mapped, native or auto) and {HOLD_BACK!r}.")
+                             f"takes {PARAM!r} (mapped, native or auto), {HOLD_BACK!r} and {USE_STORE!r}.")
     request_mode(params, "native")
     request_hold_back(params)
+    request_use_store(params)
     salt = data.get("cache_salt")
     if isinstance(salt, str) and salt.startswith(NAMESPACE_PREFIX):
         raise InputError(f"cache_salt may not start with {NAMESPACE_PREFIX!r}: that namespace holds mapped K/V, and "

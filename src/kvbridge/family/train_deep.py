@@ -1,0 +1,185 @@
+"""Train the deep embedded family (run once, resumable; tests and CI never retrain).
+
+    python -m kvbridge.family.train_deep --work deep-work          # resumes from deep-work/ when run again
+
+A second family built the way real pairs are: an 8-layer target and a 4-layer source, each trained **from its
+own random initialization** (no pruning, no distillation: their caches are related only by the data they read),
+with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE settings, copy curriculum and
+length curriculum. Each model runs three stages, seeded:
+
+1. ``copy``: whole rows of a repeated random sequence over the 16 most frequent tokens, growing only once copied
+   well (:class:`~kvbridge.family.train.Rows`): induction first (the phase change came after 100-150 steps).
+2. ``main``: 256-token rows of real code with a steady share of pure repeats and of random and real spans over the
+   1,024 most frequent tokens that recur later (``CONTINUE_MIX``, the whole alphabet at once: the first family's
+   target did not learn to copy from text alone, nor with an alphabet grown on a timer, but did this way).
+3. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
+   and 2,048 in turn), spans drawn from the 3,072 most frequent tokens and recurring anywhere later in the row.
+
+Training runs under bfloat16 autocast (``--autocast``; about 1.4× faster on this CPU; weights and optimizer state
+stay float32). Every ``--save-every`` steps the stage's whole loop state is written to ``--work`` (atomically),
+and each finished stage is recorded in ``progress.json``: a killed run loses at most that many steps. The end
+measures both models on held-out data (the first family's instrument checks) and writes ``--out``: both
+checkpoints, the tokenizer and ``family.json`` with the settings, commands and times of every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..hashing import sha256_bytes
+from . import CHECKPOINTS, DEEP
+from .corpus import documents
+from .train import (
+    CONTINUE_MIX,
+    PAD,
+    PURE_ONLY,
+    SOURCE_ROPE,
+    TARGET_ROPE,
+    Rows,
+    frequent_tokens,
+    log,
+    ministral3,
+    recall_rows,
+    token_stream,
+    train,
+)
+from .train_long import LONG_MIX, measure, shapes_for
+
+# (layers, hidden, MLP, RoPE): the target has twice the source's depth and a third more width
+SHAPES = {"target": (8, 256, 640, TARGET_ROPE), "source": (4, 192, 512, SOURCE_ROPE)}
+STAGES = ("copy", "main", "long")
+SEEDS = {"target": 10, "source": 20}  # each model's own initialization and data order
+COPY_GROW_AFTER = 400
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(data: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run_stage(role: str, stage: str, model, args, streams, work: Path, progress: dict) -> dict:
+    """One stage of one model, resumed from its loop checkpoint when one exists; returns its record."""
+    train_stream, frequent, spans, probe_short, probe_long = streams
+    seed = SEEDS[role] + STAGES.index(stage) + 100 * args.seed
+    ckpt = work / f"{role}-{stage}.pt"
+    resume = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
+    common = dict(tag=f"{role}/{stage}", log_every=args.log_every, autocast=torch.bfloat16 if args.autocast else None,
+                  resume=resume, save=lambda state: _atomic_save(state, ckpt), save_every=args.save_every)
+    if stage == "copy":
+        rows = Rows(train_stream, frequent, seed)
+        steps, lr = args.copy_steps, 1e-3
+        # grows only once copying is learned (or after a long wait): a timer that grows the alphabet before the
+        # induction phase change (here after 100-300 steps) restarts it, and the first run stalled that way
+        seconds = train(model, rows, steps, lr, args.batch, lambda p: PURE_ONLY, probe_short, until_alphabet=256,
+                        grow_after=COPY_GROW_AFTER, **common)
+    elif stage == "main":  # the whole alphabet at once, as the first family's second stage (recall 3 % -> 93 %)
+        rows = Rows(train_stream, frequent, seed, alphabet=len(frequent))
+        steps, lr = args.main_steps, 1e-3
+        seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_short, **common)
+    else:
+        rows = Rows(train_stream, spans, seed, alphabet=len(spans), early=512)
+        mix = dict(LONG_MIX, random=0.35)
+        steps, lr = args.long_steps, args.long_lr
+        seconds = train(model, rows, steps, lr, 4, lambda p: mix, probe_long, shapes=shapes_for(steps), **common)
+    return {"steps": steps, "lr": lr, "seed": seed, "seconds": round(seconds), "alphabet": rows.alphabet}
+
+
+def main(argv=None) -> None:
+    from transformers import AutoTokenizer, Ministral3ForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="deep-work", help="resumable state: loop checkpoints, finished stages")
+    parser.add_argument("--out", default=str(DEEP), help="where the finished family goes")
+    parser.add_argument("--copy-steps", type=int, default=400, help="steps of the copy stage")
+    parser.add_argument("--main-steps", type=int, default=1400)
+    parser.add_argument("--long-steps", type=int, default=600)
+    parser.add_argument("--long-lr", type=float, default=5e-4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-autocast", dest="autocast", action="store_false", help="train in plain float32")
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--save-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    progress_path = work / "progress.json"
+    progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+
+    # the first family's tokenizer and corpus stream: one vocabulary for both families
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINTS / "target")
+    splits = documents()
+    train_stream = token_stream(tokenizer, splits["train"])
+    recorded = json.loads((CHECKPOINTS / "family.json").read_text())["train_stream_sha256"]
+    if sha256_bytes(train_stream.numpy().tobytes()) != recorded:
+        raise SystemExit("the local standard library gives another training stream than the first family's "
+                         "(another Python version?); the deep family would not read the same corpus.")
+    held_stream = token_stream(tokenizer, splits["heldout"])
+    frequent = frequent_tokens(train_stream)
+    spans = frequent_tokens(train_stream, 3072)
+    streams = (train_stream, frequent, spans, recall_rows(held_stream, frequent, 32),
+               recall_rows(held_stream, frequent, 16, seq=1024))
+
+    models = {}
+    for role in ("target", "source"):
+        torch.manual_seed(SEEDS[role] + 100 * args.seed)
+        model = ministral3(*SHAPES[role][:3], SHAPES[role][3])
+        if (work / role).exists():  # the last finished stage of this model
+            model = Ministral3ForCausalLM.from_pretrained(work / role)
+        model.to(args.device)
+        for stage in STAGES:
+            key = f"{role}/{stage}"
+            if key in progress:
+                continue
+            progress[key] = run_stage(role, stage, model, args, streams, work, progress)
+            model.save_pretrained(work / role)  # before progress.json says the stage is done
+            _write_json(progress, progress_path)
+            (work / f"{role}-{stage}.pt").unlink(missing_ok=True)
+        models[role] = model.cpu().float().eval()
+
+    out = Path(args.out)
+    for role, model in models.items():
+        model.generation_config.pad_token_id = PAD
+        model.save_pretrained(out / role)
+        tokenizer.save_pretrained(out / role)
+    started = time.time()
+    report = {
+        "corpus": json.loads((CHECKPOINTS / "family.json").read_text())["corpus"],
+        "splits": "the first family's (kvbridge/family/data: calibration and held-out)",
+        "tokenizer": "the first family's (4,096-token byte-level BPE)",
+        "train_stream_sha256": recorded,
+        "independent": "source and target trained from their own random initializations; no pruning, no "
+                       "distillation",
+        "command": "python -m kvbridge.family.train_deep " + " ".join(sys.argv[1:] if argv is None else argv),
+        "autocast": "bfloat16" if args.autocast else None, "threads": args.threads, "device": args.device,
+        "stages": progress,
+        "train_seconds": sum(record["seconds"] for record in progress.values()),
+    }
+    for role, model in models.items():
+        layers, hidden, mlp, rope = SHAPES[role]
+        report[role] = {"layers": layers, "hidden": hidden, "mlp": mlp, "rope": rope,
+                        "parameters": sum(p.numel() for p in model.parameters())} | measure(
+            model, tokenizer, splits["heldout"], held_stream, frequent)
+    report["measure_seconds"] = round(time.time() - started)
+    (out / "family.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(json.dumps({k: report[k] for k in ("target", "source")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Model switching without a prefill: a source server and a target server sharing the source's KV store.
+
+``kvbridge cascade`` starts both: ``kvbridge serve-source`` (vLLM serving the source, storing its KV as it serves:
+:mod:`kvbridge.serving.producer`) and ``kvbridge serve --store`` (vLLM serving the target, mapping stored source KV
+into its paged cache: :mod:`kvbridge.serving.connector`). A conversation's first turns run on the source; when one
+escalates to the target (same messages, the servers apply the chat template), the target's connector finds the
+conversation's blocks in the store and maps them — the source does not prefill them again — then the target
+computes the held-back tokens and answers.
+
+``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
+the source answers, then an escalated third turn sent to the target three ways, one after another and in rotating
+order — native (the target re-prefills the whole history), warm (mapped from the stored source KV) and cold
+(mapped from a fresh source prefill inside the connector, ``kvbridge_store: false``) — with each request's time to
+its first streamed token, and the escalated answers compared token by token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import KVBridgeError
+
+WAYS = ("native", "warm", "cold")
+STORED = "vllm:kvbridge_stored_tokens_total"
+
+
+@dataclass
+class CascadeRow:
+    history_tokens: int  # median prompt tokens of the escalated turn
+    conversations: int
+    native_ttft_ms: float
+    warm_ttft_ms: float
+    cold_ttft_ms: float
+    warm_speedup: float  # native ÷ warm
+    cold_speedup: float
+    stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
+    warm_equals_cold: float  # share of conversations whose escalated answers are identical
+    warm_first_token_agreement: float  # with native
+    cold_first_token_agreement: float
+    warm_token_agreement: float  # mean share of positions where the answer's token equals native's
+    cold_token_agreement: float
+
+
+def default_store() -> str:
+    """Where both servers share the store by default: shared memory when the machine has it (/dev/shm)."""
+    import os
+    import tempfile
+
+    base = "/dev/shm" if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return str(Path(base) / f"kvbridge-store-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+
+
+@contextlib.contextmanager
+def launched_pair(source_args: list[str], target_args: list[str], log_dir: str | Path, timeout_s: float = 300.0):
+    """Both servers as subprocesses (the source first: it creates the store); yields (source URL, target URL)."""
+    from .server import launched
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with launched(source_args, log_dir / "source.log", timeout_s, command="serve-source") as source_url, \
+            launched(target_args, log_dir / "target.log", timeout_s) as target_url:
+        yield source_url, target_url
+
+
+def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0) -> list[list[str]]:
+    """``count`` conversations' three user messages from held-out documents: two long ones (together about
+    ``history_tokens`` tokens with the source's answers) and a short escalated question."""
+    from .bench import heldout_stream
+
+    stream = heldout_stream(tokenizer)
+    long = max(16, (history_tokens - 2 * ANSWER_TOKENS - 40) // 2)
+    need = 2 * long + QUESTION_TOKENS
+    span = len(stream) - need
+    if span <= 0:
+        raise KVBridgeError(f"the held-out texts hold {len(stream)} tokens, too few for {history_tokens}-token "
+                            "histories.")
+    step = max(1, span // max(count, 1))
+    out = []
+    for i in range(count):
+        at = (seed * 7919 + i * step) % span
+        parts = [stream[at:at + long], stream[at + long:at + 2 * long], stream[at + 2 * long:at + need]]
+        out.append([tokenizer.decode(p) for p in parts])
+    return out
+
+
+ANSWER_TOKENS = 48  # each source answer
+QUESTION_TOKENS = 24  # the escalated turn's user message
+
+
+async def _turn(client, model: str, messages: list[dict], max_tokens: int, params: dict | None = None,
+                salt: str | None = None) -> tuple[float, str, list[int]]:
+    """One streamed chat turn: (ms to the first token, text, token ids)."""
+    start = time.perf_counter()
+    first, text = None, []
+    body = {"ignore_eos": True, "return_token_ids": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    if salt is not None:
+        body["cache_salt"] = salt
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0, stream=True, extra_body=body)
+    tokens: list[int] = []
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            if first is None and (delta.content or getattr(chunk.choices[0], "token_ids", None)):
+                first = time.perf_counter()
+            text.append(delta.content or "")
+            tokens += list(getattr(chunk.choices[0], "token_ids", None) or [])
+    return 1000 * ((first or time.perf_counter()) - start), "".join(text), tokens
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter over its label sets at ``url``/metrics (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _agreement(answer: list[int], reference: list[int]) -> float:
+    n = max(len(reference), 1)
+    return sum(a == b for a, b in zip(answer, reference)) / n
+
+
+async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, progress):
+    """Per conversation: the source's two turns, then the escalated turn three ways (rotating order)."""
+    from openai import AsyncOpenAI
+
+    source = AsyncOpenAI(base_url=source_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    target = AsyncOpenAI(base_url=target_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    results = []
+    try:
+        for i, (first, second, question) in enumerate(texts):
+            salt = f"cascade-{i}-{time.time_ns()}"  # each conversation its own, in both engines' caches and the store
+            messages = [{"role": "user", "content": first}]
+            _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
+            _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+            ways = WAYS[i % 3:] + WAYS[:i % 3]  # rotating order: drift and caches hit every way alike
+            row = {}
+            for way in ways:
+                params = {"kvbridge": "native" if way == "native" else "mapped", "kvbridge_store": way == "warm"}
+                before = await asyncio.to_thread(metric, target_url, STORED) if way == "warm" else 0
+                # warm shares the source's salt (its stored blocks are keyed by it); the others keep their own so
+                # that no way reads another's blocks from the target's prefix cache
+                ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
+                                              salt if way == "warm" else f"{salt}-{way}")
+                row[way] = (ttft, tokens)
+                if way == "warm":  # streamed responses carry no kv_transfer_params: the server's counter says
+                    row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before
+                    row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
+            if i >= warmup:
+                results.append(row)
+            progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
+                     f"{row['warm'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
+    finally:
+        await source.close()
+        await target.close()
+    return results
+
+
+async def _prompt_tokens(client, model: str, messages: list[dict]) -> int:
+    """The escalated turn's prompt length as the target's server counts it (a 1-token native request)."""
+    out = await client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
+                                               extra_body={"kv_transfer_params": {"kvbridge": "native"},
+                                                           "cache_salt": f"length-{time.time_ns()}"})
+    return int(out.usage.prompt_tokens)
+
+
+def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,
+                      histories: list[int], conversations: int, warmup: int = 2, new_tokens: int = 16,
+                      progress=print) -> dict:
+    """Every row of the escalation benchmark against two running servers."""
+    rows, raw = [], {}
+    started = time.perf_counter()
+    for h in histories:
+        texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h)
+        results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
+                                           new_tokens, progress))
+        native = [r["native"][1] for r in results]
+        med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
+        lengths = [r["prompt_tokens"] for r in results]
+        rows.append(CascadeRow(
+            history_tokens=int(statistics.median(lengths)), conversations=len(results),
+            native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
+            warm_speedup=med["native"] / med["warm"], cold_speedup=med["native"] / med["cold"],
+            stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
+            warm_equals_cold=sum(r["warm"][1] == r["cold"][1] for r in results) / len(results),
+            warm_first_token_agreement=sum(r["warm"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
+            cold_first_token_agreement=sum(r["cold"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
+            warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
+            cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
+        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} |
+                       {"prompt_tokens": r["prompt_tokens"], "stored_tokens": r["stored_tokens"]} for r in results]
+    return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
+            "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
+            "rows": [asdict(r) for r in rows], "conversations": raw}
+
+
+def cascade_table(report: dict) -> str:
+    lines = ["| History tokens | Native TTFT | Warm TTFT | Cold TTFT | **Warm speed-up** | Cold speed-up | Prefix from "
+             "the store | Warm = cold | First token = native (warm / cold) | Tokens = native (warm / cold) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
+                     f"{r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | {r['cold_speedup']:.2f}× | "
+                     f"{r['stored_fraction']:.0%} | {r['warm_equals_cold']:.0%} | "
+                     f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
+                     f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")
+    return "\n".join(lines)
+
+
+def write_cascade(report: dict, json_path: str) -> None:
+    from ..outputs import write_text
+
+    write_text(json_path, json.dumps(report, indent=2) + "\n")
+    write_text(str(Path(json_path).with_suffix(".md")), cascade_table(report) + "\n")

