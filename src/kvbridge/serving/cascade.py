@@ -28,6 +28,7 @@ from ..errors import KVBridgeError
 
 WAYS = ("native", "warm", "cold")
 STORED = "vllm:kvbridge_stored_tokens_total"
+MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
 
 
 @dataclass
@@ -39,6 +40,8 @@ class CascadeRow:
     cold_ttft_ms: float
     warm_speedup: float  # native ÷ warm
     cold_speedup: float
+    warm_connector_ms: float  # median time inside the connector (store, source, map, recompute, cache writes)
+    cold_connector_ms: float
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     warm_equals_cold: float  # share of conversations whose escalated answers are identical
     warm_first_token_agreement: float  # with native
@@ -90,6 +93,7 @@ def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0
 
 
 ANSWER_TOKENS = 48  # each source answer
+SETTLE_S = 0.5  # between the source's last answer and the escalated turn
 QUESTION_TOKENS = 24  # the escalated turn's user message
 
 
@@ -149,18 +153,24 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
             _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+            # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
+            # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
+            await asyncio.sleep(SETTLE_S)
             ways = WAYS[i % 3:] + WAYS[:i % 3]  # rotating order: drift and caches hit every way alike
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped", "kvbridge_store": way == "warm"}
-                before = await asyncio.to_thread(metric, target_url, STORED) if way == "warm" else 0
+                before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, MAP_SECONDS)}
                 # warm shares the source's salt (its stored blocks are keyed by it); the others keep their own so
                 # that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
                                               salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
-                if way == "warm":  # streamed responses carry no kv_transfer_params: the server's counter says
-                    row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before
+                # streamed responses carry no kv_transfer_params: the server's counters say what the connector did
+                row[f"{way}_connector_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, MAP_SECONDS)
+                                                     - before[MAP_SECONDS])
+                if way == "warm":
+                    row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
             if i >= warmup:
                 results.append(row)
@@ -170,6 +180,24 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
         await source.close()
         await target.close()
     return results
+
+
+async def _floor(url: str, model: str, count: int = 9) -> float:
+    """Median time to the first streamed token of an 8-token native prompt: the engine's own per-request cost."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        times = []
+        for i in range(count + 1):
+            start = time.perf_counter()
+            stream = await client.completions.create(
+                model=model, prompt=[1, 100 + i, 200, 300, 400, 500, 600, 700], max_tokens=2, temperature=0,
+                stream=True, extra_body={"kv_transfer_params": {"kvbridge": "native"}, "ignore_eos": True})
+            first = None
+            async for _ in stream:
+                first = first or time.perf_counter()
+            times.append(1000 * ((first or time.perf_counter()) - start))
+    return statistics.median(times[1:])
 
 
 async def _prompt_tokens(client, model: str, messages: list[dict]) -> int:
@@ -186,6 +214,7 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
     """Every row of the escalation benchmark against two running servers."""
     rows, raw = [], {}
     started = time.perf_counter()
+    floor = asyncio.run(_floor(target_url, target_model))
     for h in histories:
         texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
@@ -197,6 +226,8 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             history_tokens=int(statistics.median(lengths)), conversations=len(results),
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
             warm_speedup=med["native"] / med["warm"], cold_speedup=med["native"] / med["cold"],
+            warm_connector_ms=statistics.median(r["warm_connector_ms"] for r in results),
+            cold_connector_ms=statistics.median(r["cold_connector_ms"] for r in results),
             stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
             warm_equals_cold=sum(r["warm"][1] == r["cold"][1] for r in results) / len(results),
             warm_first_token_agreement=sum(r["warm"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
@@ -204,19 +235,22 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
             cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} |
-                       {"prompt_tokens": r["prompt_tokens"], "stored_tokens": r["stored_tokens"]} for r in results]
+                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "warm_connector_ms", "cold_connector_ms")}
+                       for r in results]
     return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
+            "engine_floor_ms": floor,
             "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
             "rows": [asdict(r) for r in rows], "conversations": raw}
 
 
 def cascade_table(report: dict) -> str:
-    lines = ["| History tokens | Native TTFT | Warm TTFT | Cold TTFT | **Warm speed-up** | Cold speed-up | Prefix from "
-             "the store | Warm = cold | First token = native (warm / cold) | Tokens = native (warm / cold) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| History tokens | Native TTFT | Warm TTFT | Cold TTFT | **Warm speed-up** | Cold speed-up | Connector "
+             "(warm / cold) | Prefix from the store | Warm = cold | First token = native (warm / cold) | Tokens = "
+             "native (warm / cold) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
                      f"{r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | {r['cold_speedup']:.2f}× | "
+                     f"{r['warm_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | "
                      f"{r['stored_fraction']:.0%} | {r['warm_equals_cold']:.0%} | "
                      f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
                      f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")

@@ -426,8 +426,10 @@ def _cmd_cascade_bench(args) -> int:
                             f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
                             "--max-model-len, and their logs.") from None
     report["device"] = _device()
+    report["command"] = "kvbridge cascade-bench " + " ".join(args.argv)
     print(f"\n{report['device']}; {args.conversations} conversations per length after {args.warmup} warm-ups; "
-          f"{args.new_tokens} tokens per escalated answer; median time to the first streamed token\n")
+          f"{args.new_tokens} tokens per escalated answer; median time to the first streamed token; the engine's "
+          f"own time for an 8-token prompt: {report['engine_floor_ms']:.1f} ms\n")
     print(cascade_table(report))
     if args.json:
         write_cascade(report, args.json)
@@ -472,5 +474,5 @@ def parse(command: str, argv: list[str]) -> argparse.Namespace:
         setattr(args, PASSTHROUGH[command], rest)
     else:
         args = parser.parse_args(argv)
-    args.command = command
+    args.command, args.argv = command, list(argv)
     return args

@@ -233,6 +233,16 @@ def run_vllm(argv: list[str]) -> None:
     command.cmd(args)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``timeout``) unwinds this process like Ctrl-C, so that the servers it started are stopped
+    rather than orphaned (Python's default for SIGTERM exits without running ``finally``)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 @contextlib.contextmanager
 def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 300.0, command: str = "serve"):
     """``kvbridge serve`` (or ``command``) with these arguments in a subprocess on 127.0.0.1, its output in
@@ -254,6 +264,7 @@ def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 
                                 stderr=subprocess.STDOUT)
     tail = lambda: Path(log_path).read_text(errors="replace")[-3000:]  # noqa: E731
     try:
+        _stop_on_sigterm()
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
