@@ -207,3 +207,46 @@ def test_what_no_route_may_pass_to_the_engine(body, match):
         check_body(body)
     with pytest.raises(InputError, match=match):
         rewrite(dict(body), "mapped", NAMESPACE_PREFIX + "1" * 32)
+
+
+def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_vlm):
+    from kvbridge.serving.config import StoreConfig, client_salt, request_use_store
+    from kvbridge.serving.server import source_argv
+    from kvbridge.serving.store import KVStore
+
+    assert request_use_store(None) and request_use_store({"kvbridge_store": False}) is False
+    with pytest.raises(InputError, match="kvbridge_store"):
+        request_use_store({"kvbridge_store": "no"})
+    space = namespace(family.mapper_path(), {})
+    assert client_salt(salted(space, "user-1"), space) == "user-1" and client_salt(space, space) is None
+    assert client_salt("user-1", space) == "user-1" and client_salt(None, space) is None
+    for bad in (dict(store=""), dict(store="s", cap_bytes=0), dict(store="s", cap_bytes=True)):
+        with pytest.raises(InputError):
+            StoreConfig(**bad)
+    with pytest.raises(InputError, match="unknown connector option"):
+        StoreConfig.from_extra({"store": "s", "cap": 1})
+
+    store = StoreConfig(str(tmp_path / "store"))
+    argv = source_argv(store, family.source_path(), "src", "127.0.0.1", 8001, [])
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"]["store"] == store.store
+    assert "--enforce-eager" in argv and "--block-size" not in argv and "--language-model-only" not in argv
+    assert json.loads(argv[argv.index("--hf-overrides") + 1]) == llama4_scaling(family.source_path())
+    KVStore(store.store, block_tokens=64, create=True)  # an existing store: the engine takes its block size
+    argv = source_argv(store, family.source_path(), "src", "127.0.0.1", 8001, [])
+    assert argv[argv.index("--block-size") + 1] == "64"
+    assert "--language-model-only" in source_argv(store, tiny_vlm[0], "vlm", "127.0.0.1", 8001, [])
+    with pytest.raises(InputError, match="kv-transfer-config"):
+        source_argv(store, family.source_path(), "src", "127.0.0.1", 8001, ["--kv-transfer-config", "{}"])
+
+
+def test_bad_store_options_are_one_line(capsys, tmp_path):
+    from kvbridge.cli import main
+
+    assert main(["cascade-bench", "--histories", "100"]) == 1
+    assert "--histories" in capsys.readouterr().err
+    assert main(["cascade-bench", "--source-url", "http://127.0.0.1:1"]) == 1
+    assert "together" in capsys.readouterr().err
+    (tmp_path / "store.json").write_text("{}")
+    assert main(["serve-source", "--store", str(tmp_path), "--store-cap-gb", "0"]) == 1
+    assert "--store-cap-gb" in capsys.readouterr().err

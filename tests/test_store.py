@@ -70,12 +70,15 @@ def test_another_model_torn_and_corrupted_entries_are_refused_and_named(tmp_path
     raw = bytearray(second.read_bytes())
     raw[-3] ^= 0xFF  # one flipped bit in the data
     second.write_bytes(bytes(raw))
+    assert KVStore(tmp_path / "b", verify=False).lookup(chain_seed(ME, None), ME, ids, 100).tokens == 3 * BT
     found = store.lookup(chain_seed(ME, None), ME, ids, 100)
     assert found.tokens == BT and found.refused == 1 and "CRC" in found.reason
-    assert KVStore(tmp_path / "b", verify=False).lookup(chain_seed(ME, None), ME, ids, 100).tokens == 3 * BT
+    assert not second.exists()  # discarded: the source engine stores the block again the next time it computes it
     second.write_bytes(bytes(raw[:40]))  # a torn file
     found = store.lookup(chain_seed(ME, None), ME, ids, 100)
-    assert found.tokens == BT and found.refused == 1
+    assert found.tokens == BT and found.refused == 1 and not second.exists()
+    second.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"__metadata__":[]}  ')  # a header of another kind
+    assert store.lookup(chain_seed(ME, None), ME, ids, 100).reason.startswith("torn or not an entry")
 
 
 def test_writes_are_atomic_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):

@@ -276,19 +276,25 @@ class KVBridgeConnector(KVConnectorBase_V1):
         from ..models import cache_kv
         from ..recompute import Stored
 
-        stored, found = None, None
-        store = self.store() if use_store else None
-        if store is not None:
-            from .store import chain_seed
-
-            found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
-            if found.tokens:
-                stored = Stored(found.tokens, found.keys, found.values, found.hidden)
         ids = torch.tensor([token_ids], dtype=torch.long)
-        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+        tokens, refusal, cache = 0, None, None
+        if use_store and self.config.store:
+            try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
+                store = self.store()
+                if store is not None:
+                    from .store import chain_seed
+
+                    found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
+                    tokens, refusal = found.tokens, found.reason
+                    if found.tokens:
+                        stored = Stored(found.tokens, found.keys, found.values, found.hidden)
+                        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+            except Exception as exc:
+                tokens, refusal = 0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if cache is None:
+            cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
         keys, values = cache_kv(cache)
-        return ([k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values],
-                found.tokens if found else 0, found.reason if found else None)
+        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values], tokens, refusal
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -361,6 +367,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return f"fallback: a prompt of {prompt} tokens is too short to hold back {hold_back}", 0
         if end > self.source_positions:
             return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return ("fallback: the prompt holds images or embeddings, which the source's token-only prefill would "
+                    "not see"), 0
         if getattr(request, "skip_reading_prefix_cache", False):  # vLLM would drop what the connector loads
             return ("fallback: the request skips the prefix cache (vLLM's default with prompt_logprobs), and with it "
                     "any loaded K/V; offline, SamplingParams(skip_reading_prefix_cache=False) scores over a mapped "

@@ -40,20 +40,23 @@ from .config import StoreConfig
 from .store import KVStore, chain_seed, next_key
 
 logger = init_logger("vllm.kvbridge")
-QUEUE_BLOCKS = 256  # blocks waiting to be written; beyond, new blocks are dropped (counted), never the engine held
+QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
 
 
 @dataclass
 class Capture:
     """One request's tokens of this step: positions [start, start + count) in ``block_ids[0]``'s block onward;
     ``parent``: the chain key of the block before ``start`` when ``start`` is a block boundary (else None: the
-    worker continues what it holds)."""
+    worker continues what it holds). ``touch``: on a request's first step, the keys of the blocks it reads from the
+    engine's prefix cache, marked used in the store so that least-recently-used eviction does not drop a
+    conversation's first blocks while its later ones stay."""
 
     request_id: str
     start: int
     count: int
     block_ids: list[int]
     parent: str | None
+    touch: list[str] = field(default_factory=list)  # keys of the blocks the engine's prefix cache supplied
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Pending:
     values: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] = field(default_factory=list)  # each (n, S)
     end: int = 0
+    broken: bool = False  # a block of its chain was dropped: the blocks after it could never be reached
 
 
 def folder_identity(local_dir: str) -> str:
@@ -84,9 +88,14 @@ def folder_identity(local_dir: str) -> str:
     from .store import identity
 
     config, _ = _text_config(local_dir)
+    weights = weights_fingerprint(local_dir)
+    if weights is None:
+        raise UnsupportedModelError(f"kvbridge source connector: {local_dir} holds no model*.safetensors, so its "
+                                    "weights cannot be told apart from another checkpoint's; convert it to "
+                                    "safetensors.")
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return identity(weights_fingerprint(local_dir), tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
+    return identity(weights, tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
                     int(config.num_hidden_layers), heads, head_dim, int(config.hidden_size))
 
 
@@ -104,16 +113,30 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         if vllm_config.speculative_config is not None:
             raise UnsupportedModelError("kvbridge source connector: speculative decoding is not supported (tokens "
                                         "it rejects would be stored); serve the source without it.")
-        eager = vllm_config.model_config.enforce_eager or vllm_config.device_config.device_type == "cpu"
-        if not eager:
-            raise UnsupportedModelError("kvbridge source connector: the engine must run eagerly (--enforce-eager): "
-                                        "CUDA graph replays skip the calls through which the connector sees the K/V.")
+        model_config = vllm_config.model_config
+        eager = model_config.enforce_eager or vllm_config.device_config.device_type == "cpu"
+        refusals = {
+            "the engine must run eagerly (--enforce-eager): CUDA graph replays skip the calls through which the "
+            "connector sees the K/V": not eager,
+            "the served model takes images (K/V of an image would be stored under its placeholder tokens): serve "
+            "the source with --language-model-only": model_config.supports_multimodal_inputs,
+            "LoRA adapters are enabled (an adapter's K/V would be stored as the base model's)":
+                vllm_config.lora_config is not None,
+            f"the engine quantizes the model ({model_config.quantization}) and the mapper was fitted on its own "
+            "weights": model_config.quantization is not None,
+            "multi-head latent attention (MLA) caches are not per-head K/V": model_config.use_mla,
+            "the KV cache has several groups (sliding-window or hybrid layers)":
+                kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1,
+        }
+        for reason, refused in refusals.items():
+            if refused:
+                raise UnsupportedModelError(f"kvbridge source connector: {reason}.")
         self.block_size = vllm_config.cache_config.block_size
-        source = self.config.source or vllm_config.model_config.model
+        source = self.config.source or model_config.model
         if not Path(source).is_dir():  # a hub id: the snapshot vLLM serves
             from .server import resolve_model
 
-            source = resolve_model(source, vllm_config.model_config.revision)
+            source = resolve_model(source, model_config.revision)
         self.identity = folder_identity(source)
         self.store = KVStore(self.config.store, block_tokens=self.block_size, cap_bytes=self.config.cap_bytes,
                              create=True)
@@ -129,8 +152,10 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._model_hook = None
         self._queue: queue.Queue | None = None
         self.dropped = 0
+        self._queued_bytes = 0
+        self._queued_lock = threading.Lock()
         if role == KVConnectorRole.WORKER:
-            self._queue = queue.Queue(QUEUE_BLOCKS)
+            self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
             self._model_hook = torch.nn.modules.module.register_module_forward_hook(self._find_model,
                                                                                     with_kwargs=True)
@@ -162,18 +187,33 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         meta = StoreMetadata(finished=self._finished, preempted=list(scheduler_output.preempted_req_ids or ()))
         self._finished = []
         for rid, count in scheduler_output.num_scheduled_tokens.items():
-            request = self._requests.get(rid)
-            if request is None or self._manager is None or count < 1:
+            try:  # storing is best effort: a request it cannot follow is served, not stored
+                capture = self._capture(rid, count)
+            except Exception as exc:
+                logger.warning("kvbridge source connector: request %s is not stored (%s)", rid, exc)
+                self._requests.pop(rid, None)
                 continue
-            start = request.num_computed_tokens  # before this step (the scheduler updates it after the metadata)
-            block_ids = self._manager.get_block_ids(rid)[0]
-            bs = self.block_size
-            first, last = start // bs, (start + count - 1) // bs
-            if last >= len(block_ids):
-                continue
-            parent = self._parent(request, start) if start % bs == 0 and start <= len(request.all_token_ids) else None
-            meta.captures.append(Capture(rid, start, count, list(block_ids[first:last + 1]), parent))
+            if capture is not None:
+                meta.captures.append(capture)
         return meta
+
+    def _capture(self, rid: str, count: int) -> Capture | None:
+        request = self._requests.get(rid)
+        if request is None or self._manager is None or count < 1:
+            return None
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            self._requests.pop(rid)  # its K/V depend on more than its token ids
+            return None
+        start = request.num_computed_tokens  # before this step (the scheduler updates it after the metadata)
+        block_ids = self._manager.get_block_ids(rid)[0]
+        bs = self.block_size
+        first, last = start // bs, (start + count - 1) // bs
+        if last >= len(block_ids):
+            return None
+        first_step = rid not in self._chains
+        parent = self._parent(request, start) if start % bs == 0 and start <= len(request.all_token_ids) else None
+        touch = list(self._chains.get(rid, ())[:start // bs]) if first_step and parent is not None else []
+        return Capture(rid, start, count, list(block_ids[first:last + 1]), parent, touch)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -191,17 +231,22 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         impls = {}
         for name in kv_caches:
             layer = context.get(name)
-            if layer is None or not hasattr(getattr(layer, "impl", None), "do_kv_cache_update"):
-                raise UnsupportedModelError(f"kvbridge source connector: layer {name} has no cache-update call to "
-                                            "observe; this attention backend is not supported.")
+            backend = getattr(layer, "attn_backend", None)
+            if layer is None or not hasattr(getattr(layer, "impl", None), "do_kv_cache_update") or \
+                    getattr(backend, "forward_includes_kv_cache_update", False):
+                raise UnsupportedModelError(f"kvbridge source connector: layer {name} has no separate cache-update "
+                                            "call to observe; this attention backend is not supported.")
             self._layers[name] = extract_layer_index(name)
             impls[id(layer.impl)] = layer.impl
+        if sorted(self._layers.values()) != list(range(len(self._layers))):
+            raise UnsupportedModelError("kvbridge source connector: the engine's attention layers are not one per "
+                                        "decoder layer (shared KV layers?); this model is not supported.")
         for impl in impls.values():
             original = impl.do_kv_cache_update
 
-            def update(layer, key, value, kv_cache, slot_mapping, _original=original):
+            def update(layer, key, value, kv_cache, slot_mapping, *args, _original=original, **kwargs):
                 self._observe_kv(layer, key, value, slot_mapping)
-                return _original(layer, key, value, kv_cache, slot_mapping)
+                return _original(layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
 
             impl.do_kv_cache_update = update
 
@@ -267,19 +312,27 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         """After the step's forward: append each request's captured tokens; queue every block they complete."""
         step, self._step = self._step, None
-        meta = self._connector_metadata
+        try:
+            self._save(step, self._connector_metadata)
+        except Exception as exc:  # storing must never break serving: this step's blocks are lost, nothing else
+            logger.warning("kvbridge source connector: a step's blocks were not stored (%s)", exc)
+            self._pending.clear()
+
+    def _save(self, step, meta) -> None:
         for rid in getattr(meta, "preempted", ()):
             self._pending.pop(rid, None)
         for rid in getattr(meta, "finished", ()):
             pend = self._pending.pop(rid, None)
-            if pend is not None and pend.end > pend.start:  # the partial block it ended with
+            if pend is not None and pend.end > pend.start and not pend.broken:  # the partial block it ended with
                 ids, hidden = torch.cat(pend.ids), torch.cat(pend.hidden)
                 self._queue_block((pend.parent, pend.parent, ids.tolist(), torch.cat(pend.keys, dim=1),
                                    torch.cat(pend.values, dim=1), hidden, True))
-        if step is None or "hidden" not in step or not step["kv"]:
+        if step is None or "hidden" not in step or len(step["kv"]) != len(self._layers):
             return
         layers = sorted(step["kv"])
         for cap in step["captures"]:
+            if cap.touch:
+                self._queue_block(("touch", cap.touch))
             if cap.request_id not in step["hidden"] or any(cap.request_id not in step["kv"][i] for i in layers):
                 self._pending.pop(cap.request_id, None)  # a gap: start again at the next block boundary
                 continue
@@ -307,28 +360,42 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while pend.end - pend.start >= bs:
             block = ids[:bs].tolist()
             key = next_key(pend.parent, block)
-            self._queue_block((key, pend.parent, block, keys[:, :bs], values[:, :bs], hidden[:bs], False))
+            if not pend.broken:
+                pend.broken = not self._queue_block((key, pend.parent, block, keys[:, :bs], values[:, :bs],
+                                                     hidden[:bs], False))
             pend.parent, pend.start = key, pend.start + bs
             ids, hidden, keys, values = ids[bs:], hidden[bs:], keys[:, bs:], values[:, bs:]
         pend.ids, pend.hidden, pend.keys, pend.values = [ids], [hidden], [keys], [values]
 
-    def _queue_block(self, item: tuple) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:  # the disk is slower than the engine: this block is not stored (the engine never waits)
-            self.dropped += 1
+    def _queue_block(self, item: tuple) -> bool:
+        """Hand a block (or keys to mark used) to the writer; False when its queue holds ``QUEUE_BYTES`` already
+        (the store is slower than the engine: the block is not stored, the engine never waits)."""
+        size = sum(t.numel() * t.element_size() for t in item if isinstance(t, torch.Tensor))
+        with self._queued_lock:
+            if self._queued_bytes + size > QUEUE_BYTES:
+                self.dropped += 1
+                return False
+            self._queued_bytes += size
+        self._queue.put((size, item))
+        return True
 
     def _writer(self) -> None:
         while True:
-            key, parent, block, keys, values, hidden, tail = self._queue.get()
+            size, item = self._queue.get()
             try:
-                if not self.store.put(key, parent, self.identity, block, keys.clone(), values.clone(), hidden.clone(),
-                                      tail=tail):
-                    self.dropped += 1
+                if item[0] == "touch":
+                    self.store.touch(item[1])
+                else:
+                    key, parent, block, keys, values, hidden, tail = item
+                    if not self.store.put(key, parent, self.identity, block, keys.clone(), values.clone(),
+                                          hidden.clone(), tail=tail):
+                        self.dropped += 1
             except Exception as exc:  # a store that fails must not stop the writer
                 self.dropped += 1
                 logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
             finally:
+                with self._queued_lock:
+                    self._queued_bytes -= size
                 self._queue.task_done()
 
     def flush(self) -> None:

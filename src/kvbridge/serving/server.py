@@ -149,6 +149,10 @@ def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: st
         argv += ["--served-model-name", served_name]
     if "--enforce-eager" not in given:
         argv.append("--enforce-eager")  # the connector observes K/V in calls a CUDA graph replay skips
+    from ..models import _text_config
+
+    if _text_config(source_dir)[1] and "--language-model-only" not in given:
+        argv.append("--language-model-only")  # a multimodal repo (Ministral-3): its text decoder, as the mapper reads
     settings = Path(config.store) / STORE_FILE
     if "--block-size" not in given and settings.exists():
         from .store import KVStore

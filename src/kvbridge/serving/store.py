@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,8 @@ FORMAT = "kvbridge-source-kv"
 VERSION = 1
 STORE_FILE = "store.json"
 DEFAULT_CAP = 2 << 30  # 2 GiB
+RESCAN_WRITES = 64  # a writer recounts the folder this often (other writers' entries count against the cap too)
+STALE_TMP_S = 600  # a temporary file this old belongs to a writer that died
 
 
 def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -141,6 +145,7 @@ class KVStore:
             raise InputError(f"the KV store's cap must be positive, not {self.cap_bytes}.")
         self._lock = threading.Lock()
         self._estimate: int | None = None  # bytes in the store as this process last counted them
+        self._writes = 0
 
     def path(self, key: str) -> Path:
         return self.root / "entries" / key[:2] / f"{key}.safetensors"
@@ -162,7 +167,7 @@ class KVStore:
         meta = {"format": FORMAT, "version": str(VERSION), "identity": identity_, "parent": parent, "key": key,
                 "crc32": f"{crc:08x}"}
         data = save(tensors, metadata=meta)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as handle:
@@ -179,26 +184,45 @@ class KVStore:
 
     def _grew(self, nbytes: int) -> None:
         with self._lock:
-            if self._estimate is None:
+            self._writes += 1
+            if self._estimate is None or self._writes % RESCAN_WRITES == 0:  # other writers may share the folder
                 self._estimate = self.size()
             else:
                 self._estimate += nbytes
             if self._estimate > self.cap_bytes:
                 self._estimate = self.evict(self.cap_bytes * 9 // 10)  # some room, so that not every write scans
 
+    def touch(self, keys: list[str]) -> None:
+        """Mark these blocks used now (a request read them from the engine's own prefix cache)."""
+        for key in keys:
+            try:
+                os.utime(self.path(key))
+            except OSError:
+                pass
+
+    def discard(self, path: Path) -> None:
+        """Remove an entry a reader refused as damaged, so that the writer stores the block again."""
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
     def entries(self) -> list[tuple[float, int, Path]]:
-        """(last use, bytes, path) of every entry."""
+        """(last use, bytes, path) of every entry; temporary files of writers that died long ago are removed."""
         out = []
+        stale = time.time() - STALE_TMP_S
         for sub in (self.root / "entries").glob("*"):
             try:
                 with os.scandir(sub) as it:
                     for entry in it:
+                        try:
+                            st = entry.stat()
+                        except OSError:
+                            continue  # evicted meanwhile
                         if entry.name.endswith(".safetensors"):
-                            try:
-                                st = entry.stat()
-                            except OSError:
-                                continue  # evicted meanwhile
                             out.append((max(st.st_mtime, st.st_atime), st.st_size, Path(entry.path)))
+                        elif entry.name.endswith(".tmp") and st.st_mtime < stale:
+                            Path(entry.path).unlink(missing_ok=True)
             except OSError:
                 continue
         return out
@@ -237,23 +261,28 @@ class KVStore:
         try:
             header, data = _sections(raw)
             meta = header.get("__metadata__") or {}
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            assert isinstance(meta, dict)
+        except (ValueError, UnicodeDecodeError, AttributeError, AssertionError):
+            self.discard(path)
             return "torn or not an entry (no safetensors header)"
         if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
             return f"another format ({meta.get('format')} {meta.get('version')})"
         if meta.get("identity") != identity_:
             return "written by another source model (identity differs)"
         if self.verify and meta.get("crc32") != f"{zlib.crc32(data):08x}":
+            self.discard(path)
             return "corrupted (CRC-32 differs)"
         try:
             tensors = load(raw)
         except Exception as exc:  # safetensors raises its own error types for a malformed file
+            self.discard(path)
             return f"unreadable entry ({type(exc).__name__})"
         if set(tensors) != {"key", "value", "hidden", "ids"} or (ids is not None and tensors["ids"].tolist() != ids):
             return "another token block under this key"
         n = tensors["ids"].numel()
         if tensors["key"].shape != tensors["value"].shape or tensors["key"].dim() != 4 or \
                 tensors["key"].shape[1] != n or tensors["hidden"].shape[0] != n:
+            self.discard(path)
             return "inconsistent shapes"
         try:
             os.utime(path)  # recently used: last to be evicted
