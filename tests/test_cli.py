@@ -80,3 +80,21 @@ def test_errors_are_messages_not_tracebacks(fitted, tiny_pair, tmp_path, capsys)
                  "--num-texts", "100000", "--seq-len", "64", "--quiet"]) == 1
     assert "lower --num-texts" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_family_stands_for_the_pair_and_is_checked(fitted, capsys, monkeypatch, tmp_path):
+    import kvbridge.family as family
+
+    source, target, out = fitted
+    assert main(["generate", "--mapper", str(out), "--prompt", "def f(x):", "--max-new-tokens", "2"]) == 1
+    assert "--family default|deep" in capsys.readouterr().err
+    assert main(["generate", "--family", "default", "--source", source, "--mapper", str(out), "--prompt", "x"]) == 1
+    assert "not both" in capsys.readouterr().err
+    monkeypatch.setitem(family.FAMILIES, "deep", tmp_path / "none")  # a deep family that was never trained here
+    assert main(["generate", "--family", "deep", "--mapper", str(out), "--prompt", "x"]) == 1
+    assert "train_deep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--family", "huge", "--mapper", str(out), "--prompt", "x"])
+    # the family's models with a mapper of another pair: refused as any wrong pair is
+    assert main(["generate", "--family", "default", "--mapper", str(out), "--prompt", "def f(x):"]) == 1
+    assert "mapper" in capsys.readouterr().err

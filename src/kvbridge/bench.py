@@ -194,6 +194,8 @@ def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, tr
         for group in mapper.groups[kind]:
             x = torch.randn(tokens, group.weight.shape[0], device=mapper.device, dtype=mapper.dtype)
             pairs.append((x, group.weight))
+            for up in group.ups or ():  # a factored group's second GEMMs
+                pairs.append((torch.randn(tokens, up.shape[0], device=mapper.device, dtype=up.dtype), up))
             if group.mlp is not None:
                 w1, _, w2, _ = group.mlp
                 pairs.append((x.to(w1.dtype), w1))

@@ -56,17 +56,21 @@ def build(name: str, device, dtype, tiny: bool):
     return LoadedModel(model=model, tokenizer=_VocabOnly(config.vocab_size), info=info)
 
 
-def published_config(source_info, target_info, levers: bool, source_hidden: int = 0, lever_inputs: str | None = None):
+def published_config(source_info, target_info, levers: bool, source_hidden: int = 0, lever_inputs: str | None = None,
+                     top_k: int | None = None, rank_fraction: float | None = None):
     """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
     without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
-    on the data; the cost does not). ``lever_inputs`` replaces the default's (e.g. "kvs")."""
+    on the data; the cost does not). ``lever_inputs`` replaces the default's (e.g. "kvs"). Fast maps: ``top_k``
+    source layers a plain map (the last ones: the cost depends on the count only); ``rank_fraction``: every layer
+    without levers factored through the rank that costs this share of its full map's FLOPs."""
     from dataclasses import replace
 
     from .fit import FitConfig
     from .mapper import MapperConfig
 
     all_layers = tuple(range(source_info.num_layers))
-    selection = {kind: [all_layers] * target_info.num_layers for kind in ("key", "value")}
+    chosen_layers = all_layers if top_k is None else all_layers[-min(top_k, len(all_layers)):]
+    selection = {kind: [chosen_layers] * target_info.num_layers for kind in ("key", "value")}
     chosen = ()
     d = FitConfig() if lever_inputs is None else replace(FitConfig(), lever_inputs=lever_inputs)
     if levers and d.has_levers:
@@ -77,8 +81,15 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
                 selection[kind][last] = tuple(range(max(0, source_info.num_layers - d.lever_top_k),
                                                     source_info.num_layers))
     selection = {kind: tuple(layers) for kind, layers in selection.items()}
+    ranks = {}
+    if rank_fraction is not None:
+        lever_layers = {v.layer for v in chosen}
+        ft, fs = target_info.kv_features, source_info.kv_features
+        ranks = {kind: tuple(0 if l in lever_layers else max(1, int(rank_fraction * (len(layers) * fs) * ft
+                                                                    // (len(layers) * fs + ft)))
+                             for l, layers in enumerate(selection[kind])) for kind in selection}
     return MapperConfig(source=source_info, target=target_info, selection=selection, fit={"kind": "random"},
-                        levers=chosen)
+                        levers=chosen, ranks=ranks)
 
 
 def random_mapper(source, target, device, dtype, levers: bool = False):
@@ -165,16 +176,23 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
 
     d = FitConfig()
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
-    rows = (("plain (the published artifact's)", False, dict(hold_back=1)),
-            (f"kvbridge fit's defaults (levers, recompute {d.recompute:g} by {d.recompute_by}, hold-back "
-             f"{d.hold_back})", True, dict(hold_back=d.hold_back, recompute=d.recompute, sink=d.sink,
-                                              recompute_by=d.recompute_by)))
-    lines = ["| Mapped path at the Ministral-3 3B→8B geometry | " + " | ".join(
-        f"TTFT FLOP limit @{n:,}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-    for label, levers, options in rows:
-        config = published_config(source, target, levers, src.hidden_size)
+    defaults = dict(hold_back=d.hold_back, recompute=d.recompute, sink=d.sink, recompute_by=d.recompute_by)
+    name = f"kvbridge fit's defaults (levers, recompute {d.recompute:g} by {d.recompute_by}, hold-back {d.hold_back})"
+    rows = (("plain (the published artifact's)", False, dict(hold_back=1), {}),
+            ("plain, top-k 4", False, dict(hold_back=1), dict(top_k=4)),
+            ("plain, rank at 25 % of the FLOPs", False, dict(hold_back=1), dict(rank_fraction=0.25)),
+            (name, True, defaults, {}),
+            ("the same, top-k 4", True, defaults, dict(top_k=4)),
+            ("the same, rank at 25 % of the FLOPs", True, defaults, dict(rank_fraction=0.25)))
+    lines = ["| Mapped path at the Ministral-3 3B→8B geometry | Map GFLOP/token | " + " | ".join(
+        f"TTFT FLOP limit @{n:,}" for n in lengths) + " |", "|---|---:|" + "---:|" * len(lengths)]
+    from .bench import map_flops
+
+    for label, levers, options, fast in rows:
+        config = published_config(source, target, levers, src.hidden_size, **fast)
         limits = [prefill_flops(tgt, n, 1) / path_flops(src, tgt, config, n, **options) for n in lengths]
-        lines.append(f"| {label} | " + " | ".join(f"{x:.2f}×" for x in limits) + " |")
+        lines.append(f"| {label} | {map_flops(config, 1) / 1e9:.3f} | " + " | ".join(f"{x:.2f}×" for x in limits)
+                     + " |")
     return "\n".join(lines)
 
 

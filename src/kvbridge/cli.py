@@ -18,8 +18,11 @@ from .outputs import check_output_dir, check_output_file, write_text
 
 def _add_pair(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--source", required=True, help="small model that prefills (folder or hub id)")
-    g.add_argument("--target", required=True, help="large model that continues (folder or hub id)")
+    g.add_argument("--source", help="small model that prefills (folder or hub id)")
+    g.add_argument("--target", help="large model that continues (folder or hub id)")
+    g.add_argument("--family", choices=("default", "deep"),
+                   help="an embedded family's pair instead of --source/--target (deep: 8-layer target, 4-layer "
+                        "source trained on its own)")
     g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
     g.add_argument("--target-revision", help="hub revision of the target")
     g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
@@ -148,6 +151,12 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
     p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
     p.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
+                        "FLOPs per token; default: full rank)")
+    p.add_argument("--rank-flops", type=float, default=None,
+                   help="or spend this share (0-1) of those layers' full-rank FLOPs, each layer's rank chosen where "
+                        "held-out R² gains most per FLOP")
     p.add_argument("--ridge", type=float, default=0.01,
                      help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
@@ -161,7 +170,7 @@ def _fit_config(args):
 
     return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                      ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
-                     **_lever_settings(args))
+                     rank=args.rank, rank_flops=args.rank_flops, **_lever_settings(args))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -240,6 +249,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="fit the recommended mapper again instead of loading the shipped one (about three more "
                            "minutes on 2 cores; the same bytes)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--family", choices=("default", "deep"), default="default",
+                      help="the embedded family (deep: 8-layer target, 4-layer source trained on its own; it ships "
+                           "no mapper, so the demo fits one)")
 
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
@@ -253,14 +265,18 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
     fr.add_argument("--source", help="source model (default: the embedded family's)")
     fr.add_argument("--target", help="target model (default: the embedded family's)")
+    fr.add_argument("--family", choices=("default", "deep"), default=None,
+                    help="which embedded family without --source/--target (default: default; deep: 8-layer target, "
+                         "4-layer source trained on its own; grid deep)")
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
-    fr.add_argument("--grid", choices=["full", "extended", "tuning", "values", "quick"], default="full",
+    fr.add_argument("--grid", choices=["full", "extended", "tuning", "values", "deep", "quick"], default="full",
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
                          "that did not make it, for the record (about 40 minutes); tuning: what tuning on the "
                          "target's output and the repeated spans each buy (about 12 minutes); values: what a lever "
-                         "on the same layer's values buys (about 11 minutes); quick: a smoke test (default: full)")
+                         "on the same layer's values buys (about 11 minutes); deep: fast maps (top-k, reduced "
+                         "rank) against full ones, the grid --family deep runs; quick: a smoke test (default: full)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
@@ -515,7 +531,7 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(out=args.out, quick=args.quick, progress=not args.quiet, refit=args.refit)
+    run_demo(out=args.out, quick=args.quick, progress=not args.quiet, refit=args.refit, name=args.family)
     return 0
 
 
@@ -534,13 +550,15 @@ def _cmd_frontier(args) -> int:
                             "not calibrated on); the embedded family's texts would not fit another tokenizer.")
     check_output_dir(args.out)
     _require("matplotlib", "plot", "kvbridge frontier (frontier.png)")  # fail now, not after minutes
+    if args.source and args.family:
+        raise KVBridgeError("give --family or --source/--target, not both.")
     if args.source:
         source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
     else:
-        source, target = family.load_family(device=args.device)
+        source, target = family.load_family(device=args.device, name=args.family or "default")
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    grid = GRIDS["quick" if args.quick else args.grid]
+    grid = GRIDS["quick" if args.quick else ("deep" if args.family == "deep" and args.grid == "full" else args.grid)]
     if args.seed is not None:
         grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
     report = run_frontier(source, target, calibration, heldout, grid, args.out, progress=not args.quiet)
@@ -833,6 +851,21 @@ COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo
             "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}
 
 
+def _family_pair(args) -> None:
+    """--family stands for --source/--target (the commands that take a pair); one of the two is needed."""
+    if not (hasattr(args, "family") and hasattr(args, "source")) or args.command == "frontier":
+        return
+    if args.family:
+        if args.source or args.target:
+            raise KVBridgeError("give --family or --source/--target, not both.")
+        from . import family
+
+        args.source, args.target = family.source_path(args.family), family.target_path(args.family)
+    elif not (args.source and args.target):
+        raise KVBridgeError("give --source and --target (folders or hub ids), or --family default|deep for an "
+                            "embedded family.")
+
+
 # their parsers and handlers live in kvbridge.serving.commands
 SERVING = ("serve", "serve-source", "cascade", "serve-bench", "cascade-bench", "serve-eval")
 LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
@@ -861,6 +894,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
     try:
+        _family_pair(args)
         if args.command in SERVING:
             from .serving import commands
 

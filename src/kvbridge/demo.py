@@ -84,23 +84,26 @@ def shipped_mapper(cfg: DemoConfig) -> Mapper | None:
     return mapper if same else None
 
 
-def run_demo(out: str | None = None, quick: bool = False, progress: bool = True, refit: bool = False) -> dict:
+def run_demo(out: str | None = None, quick: bool = False, progress: bool = True, refit: bool = False,
+             name: str = "default") -> dict:
     """Run the demo; returns every figure (also written to ``OUT/demo.json`` when ``out`` is given). The shipped
-    recommended mapper is used unless ``refit`` (or ``quick``, whose reduced fit is its own)."""
+    recommended mapper is used unless ``refit`` (or ``quick``, whose reduced fit is its own). ``name``: the embedded
+    family (``deep`` ships no mapper: it is fitted)."""
     cfg = QUICK if quick else FULL
     if out:  # before minutes of work, not after
         check_output_dir(out)
         check_writable_artifact_dir(Path(out) / "mapper")
     torch.manual_seed(0)
     start = time.perf_counter()
-    source, target = family.load_family()
-    fam = family.report()
-    _say(f"embedded family: source {fam['source']['parameters']:,} params (2 layers), "
-         f"target {fam['target']['parameters']:,} params (4 layers), trained on the CPython standard library")
+    source, target = family.load_family(name=name)
+    fam = family.report(name)
+    _say(f"embedded family {name!r}: source {fam['source']['parameters']:,} params "
+         f"({source.info.num_layers} layers), target {fam['target']['parameters']:,} params "
+         f"({target.info.num_layers} layers), trained on the CPython standard library")
 
     # 1. fit the recommended mapper (kvbridge fit's defaults) and the plain linear map, on the calibration split
     calibration = family.calibration_texts()
-    mapper = None if (quick or refit) else shipped_mapper(cfg)
+    mapper = None if (quick or refit or name != "default") else shipped_mapper(cfg)
     if mapper is None:
         _say("fitting the recommended mapper (kvbridge fit's defaults, --top-k 1)" + (" — about three minutes on 2 "
                                                                                      "cores" if not quick else ""))

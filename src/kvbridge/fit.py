@@ -56,6 +56,10 @@ class FitConfig:
     stride: int = 2
     top_k: int | None = None  # None: every source layer
     ridge: float = 0.01
+    # reduced-rank plain maps (kvbridge.rank): one rank for every layer without levers, or a share of their
+    # full-rank FLOPs spent where held-out R² gains most; None: full-rank maps
+    rank: int | None = None
+    rank_flops: float | None = None
     batch_size: int = 4
     heldout_texts: int = 4
     # levers (see kvbridge.levers): extra capacity for a few target layers
@@ -164,6 +168,13 @@ class FitConfig:
                              f"of the source Gram: beyond that the map is all but zero), not {self.ridge}.")
         if self.batch_size < 1:
             raise InputError("--batch-size must be at least 1.")
+        if self.rank is not None and self.rank_flops is not None:
+            raise InputError("give --rank or --rank-flops, not both.")
+        if self.rank is not None and self.rank < 1:
+            raise InputError("--rank must be at least 1 (leave it out for full-rank maps).")
+        if self.rank_flops is not None and not 0 < self.rank_flops < 1:
+            raise InputError(f"--rank-flops must be a fraction in (0, 1) of the full-rank maps' FLOPs, not "
+                             f"{self.rank_flops}.")
         if self.heldout_texts < 0:
             raise InputError("--heldout-texts must be >= 0.")
 
@@ -171,7 +182,7 @@ class FitConfig:
 _INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
          "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back",
          "recompute_window")
-_OPTIONAL_INTS = ("top_k", "lever_top_k")
+_OPTIONAL_INTS = ("top_k", "lever_top_k", "rank")
 _NUMBERS = ("ridge", "mlp_lr", "recompute", "repeat_spans", "tune_lr")
 _STRINGS = ("lever_inputs", "lever_weighting", "lever_objective", "recompute_by")
 
@@ -194,6 +205,9 @@ def _check_types(config: FitConfig) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad(name, "a number")
+    if config.rank_flops is not None and (isinstance(config.rank_flops, bool)
+                                          or not isinstance(config.rank_flops, (int, float))):
+        raise bad("rank_flops", "a number or None")
     for name in _STRINGS:
         if not isinstance(getattr(config, name), str):
             raise bad(name, "a string")
@@ -426,6 +440,13 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                 if v.kind == kind:
                     chosen[v.layer] = best[v.layer]
             selection[kind] = tuple(chosen)
+    found = None
+    if config.rank is not None or config.rank_flops is not None:  # the eigenbases need the fit's statistics
+        from . import rank as reduced
+
+        pairs = reduced.factorable(levers, target.info.num_layers)
+        found = reduced.bases(stats, weights, selection, pairs, source.info.kv_features, target.info.kv_features,
+                              device)
     seen = {"observations": stats.observations, "tokens": stats.tokens, "seconds": stats.seconds,
             "flops": stats.update_flops()}
     del stats  # the levers gather their own statistics: host memory holds one set at a time
@@ -453,6 +474,17 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                                                      tuning, config.batch_size, progress, plain)
             tune_seconds = time.perf_counter() - tune_start
         weights.update(lever_weights)
+    ranks: dict[str, tuple[int, ...]] = {}
+    if found is not None:
+        if held_seqs.shape[0]:
+            reduced.heldout_curves(source, target, held_seqs, selection, found, weights, config.batch_size)
+        else:
+            reduced.in_sample_curves(found)
+        chosen = reduced.choose_ranks(found, target.info.kv_features, config.rank, config.rank_flops)
+        weights = reduced.factor(weights, found, chosen)
+        ranks = {kind: tuple(chosen.get((kind, l), 0) for l in range(target.info.num_layers)) for kind in KINDS}
+        rank_report = reduced.report(found, chosen, target.info.num_layers, bool(held_seqs.shape[0]))
+        del found
     fit_seconds = time.perf_counter() - start
     run_report = {  # volatile: kept out of mapper.json so that identical fits give identical checksums
         "fit_seconds": round(fit_seconds, 3),
@@ -473,6 +505,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "tokens": seen["tokens"],
         "calibration_sha256": sha256_texts(texts),
         "calibration_token_ids_sha256": _ids_sha(fit_seqs),
+        **({"rank_choice": rank_report} if ranks else {}),
         "device": str(device),
         "model_dtype": str(next(target.model.parameters()).dtype).replace("torch.", ""),
     }
@@ -491,7 +524,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                              bigram_vocab=vocab,
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
-                                 levers=levers, runtime=runtime), weights, run_report)
+                                 levers=levers, runtime=runtime, ranks=ranks), weights, run_report)
     del weights  # the mapper holds them once (group operands); the per-layer originals can go
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)

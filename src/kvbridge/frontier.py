@@ -153,7 +153,25 @@ QUICK = FrontierConfig(
 )
 
 
-GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "quick": QUICK}
+# the deep family (8-layer target, 4-layer source trained on its own): fast maps — fewer source layers a map, or
+# reduced-rank maps at a quarter of the FLOPs — against every source layer, plain and with the recommended levers
+LEAN_DEEP = dict(TUNED, tune_plain=True)
+DEEP = FrontierConfig(
+    fit=FIT,
+    points=(
+        Point("plain"),
+        Point("plain, top-k 2", fit=dict(top_k=2)),
+        Point("plain, top-k 1", fit=dict(top_k=1, lever_top_k=1)),
+        Point("plain, rank at 25% FLOPs", fit=dict(rank_flops=0.25)),
+        Point("lean", fit=LEAN_DEEP),
+        Point("lean + recompute 4% by span", fit=LEAN_DEEP, runtime=SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 4% by span", fit=dict(LEAN_DEEP, top_k=1, lever_top_k=1),
+              runtime=SPANS[0.04]),
+        Point("lean, rank at 25% FLOPs + recompute 4% by span", fit=dict(LEAN_DEEP, rank_flops=0.25),
+              runtime=SPANS[0.04]),
+    ),
+)
+GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP, "quick": QUICK}
 # the point kvbridge fit's defaults reproduce, with FAMILY's source-layer counts (the demo adds them; a deeper
 # source keeps every source layer by default): the best one that cleared MIN_SPEEDUP in every frontier run on the
 # family (the rule's own pick in a single run can be a point whose speed-up sits on the bar: see docs/levers.md)
@@ -198,6 +216,30 @@ def ttft(bridge: Bridge, tokens: int, warmup: int, trials: int, rounds: int = 5)
 def flop_limit(bridge: Bridge, tokens: int) -> float:
     """FLOPs of a native prefill ÷ FLOPs of the mapped path (source prefill, map, recompute, held-back tokens)."""
     return prefill_flops(bridge.target.model.config, tokens, 1) / mapped_ttft_flops(bridge, tokens)
+
+
+def real_flop_limit(bridge: Bridge, tokens: int) -> float:
+    """The TTFT FLOP limit this point's kind of map would have at the Ministral-3 3B→8B geometry (plan arithmetic,
+    :func:`kvbridge.bench_real.published_config`): the same share of source layers per map, the same share of
+    the full-rank FLOPs in its factored layers, levers if it has them, its runtime options."""
+    from .bench import path_flops
+    from .bench_real import _published_infos, published_config
+
+    config = bridge.mapper.config
+    infos, configs = _published_infos()
+    source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
+    share = statistics.mean(len(s) for kind in config.selection for s in config.selection[kind]) \
+        / config.source.num_layers
+    top_k = max(1, round(share * source.num_layers)) if share < 1 else None
+    ft, fs = config.target.kv_features, config.source.kv_features
+    factored = [(config.rank(kind, l), len(config.selection[kind][l]) * fs) for kind in config.ranks
+                for l in range(config.target.num_layers) if config.rank(kind, l)]
+    fraction = statistics.mean(r * (f + ft) / (f * ft) for r, f in factored) if factored else None
+    real = published_config(source, target, bool(config.levers), configs["ministral3-3b-text"].hidden_size,
+                            top_k=top_k, rank_fraction=fraction)
+    src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
+    return prefill_flops(tgt, tokens, 1) / path_flops(src, tgt, real, tokens, bridge.hold_back, bridge.recompute,
+                                                      bridge.sink, bridge.recompute_by)
 
 
 def recommend(points: list[dict]) -> str | None:
@@ -270,6 +312,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
             "validation_by_length": {str(n): mean_retention(run) for n, run in val.items()},
             "context_tokens": longest, **timing,
             "ttft_flop_limit": flop_limit(bridge, longest),
+            "real_geometry_ttft_flop_limit": real_flop_limit(bridge, 1024),
             "map_mflop_per_token": map_flops(mappers[key], 1) / 1e6,
             "mapper_parameters": mappers[key].config.num_parameters(),
             "key_r2_heldout": fit.get("key_r2_heldout"),
@@ -303,8 +346,8 @@ def frontier_table(report: dict) -> str:
     lengths = report["lengths"]
     head = ("| Point | Validation | " + " | ".join(f"Held-out @{n}" for n in lengths)
             + " | Held-out mean [95% interval] | TTFT speed-up @" + str(max(lengths))
-            + " | FLOP limit | Map MFLOP/token | Mapped below source on |")
-    lines = [head, "|---|---:|" + "---:|" * (len(lengths) + 4) + "---|"]
+            + " | FLOP limit | Map MFLOP/token | Ministral-3 FLOP limit @1024 | Mapped below source on |")
+    lines = [head, "|---|---:|" + "---:|" * (len(lengths) + 5) + "---|"]
     for p in report["points"]:
         star = " **(recommended)**" if p["name"] == report["recommended"] else ""
         front = " ◆" if p["name"] in report["pareto"] else ""
@@ -313,7 +356,9 @@ def frontier_table(report: dict) -> str:
                      + " | ".join(f"{100 * p['mean_by_length'][str(n)]:.1f}%" for n in lengths)
                      + f" | {100 * p['mean_floor_normalized_retention']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | "
                      f"{p['ttft_speedup']:.2f}× | {p['ttft_flop_limit']:.2f}× | {p['map_mflop_per_token']:.2f} | "
-                     f"{', '.join(p['source_beats_mapped']) or '—'} |")
+                     + (f"{p['real_geometry_ttft_flop_limit']:.2f}× | " if "real_geometry_ttft_flop_limit" in p
+                        else "— | ")
+                     + f"{', '.join(p['source_beats_mapped']) or '—'} |")
     lines.append("")
     lines.append(f"Retention: mean floor-normalized retention over the four family tasks. Validation: "
                  f"{report['validation_items']} calibration documents kept out of every fit, at "

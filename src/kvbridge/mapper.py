@@ -209,6 +209,8 @@ class MapperConfig:
     fit: dict[str, Any] = field(default_factory=dict)
     levers: tuple[Lever, ...] = ()
     runtime: RuntimeOptions = RuntimeOptions()
+    # kind -> per target layer, the rank of a factored (reduced-rank) map: x @ down (F_in, r) @ up (r, Ft) + b; 0: full
+    ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         for kind in KINDS:
@@ -238,11 +240,31 @@ class MapperConfig:
             if getattr(self.runtime, name) > limit:
                 raise ArtifactError(f"runtime {name} is {getattr(self.runtime, name)}, more than the {limit} positions "
                                     "the models support; the file was edited or is corrupted.")
+        object.__setattr__(self, "ranks", {k: tuple(v) for k, v in self.ranks.items() if any(v)})
+        for kind, ranks in self.ranks.items():
+            if kind not in KINDS or len(ranks) != self.target.num_layers:
+                raise ArtifactError(f"mapper ranks must list the {self.target.num_layers} target layers of keys "
+                                    f"and/or values, not {kind!r}: {list(ranks)}.")
+            for layer, r in enumerate(ranks):
+                widest = min(self.features(kind, layer).width(self.source.kv_features), self.target.kv_features)
+                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= widest or (
+                        r and self.lever(kind, layer) is not None):
+                    raise ArtifactError(f"mapper rank {r!r} for the {kind}s of target layer {layer} must be 0 (full) "
+                                        f"or 1 to {widest}, and 0 where a lever is; the file was edited or is "
+                                        "corrupted.")
         widths = sorted({v.state for v in self.levers if v.state})
         if len(widths) > 1:
             raise ArtifactError(f"levers read source states of different widths {widths}; one source has one hidden "
                                 "size. The file was edited or is corrupted.")
         object.__setattr__(self, "levers", tuple(sorted(self.levers, key=lambda v: (KINDS.index(v.kind), v.layer))))
+
+    def rank(self, kind: str, layer: int) -> int:
+        """The rank of (kind, layer)'s factored map; 0: a full map."""
+        return self.ranks[kind][layer] if kind in self.ranks else 0
+
+    @property
+    def factored(self) -> bool:
+        return bool(self.ranks)
 
     def lever(self, kind: str, layer: int) -> Lever | None:
         return next((v for v in self.levers if v.kind == kind and v.layer == layer), None)
@@ -274,7 +296,12 @@ class MapperConfig:
         for kind in KINDS:
             for layer in range(self.target.num_layers):
                 f_in = self.features(kind, layer).width(fs)
-                shapes[f"{kind}.{layer}.weight"] = (f_in, ft)
+                r = self.rank(kind, layer)
+                if r:
+                    shapes[f"{kind}.{layer}.down.weight"] = (f_in, r)
+                    shapes[f"{kind}.{layer}.up.weight"] = (r, ft)
+                else:
+                    shapes[f"{kind}.{layer}.weight"] = (f_in, ft)
                 shapes[f"{kind}.{layer}.bias"] = (ft,)
                 lever = self.lever(kind, layer)
                 if lever is not None and lever.hidden:
@@ -287,15 +314,18 @@ class MapperConfig:
     def num_parameters(self) -> int:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
-    def groups(self, kind: str) -> list[tuple[Features, tuple[int, ...], bool]]:
-        """Target layers mapped by one GEMM: ``(features, target layers, has_mlp)``; an MLP layer stands alone."""
+    def groups(self, kind: str) -> list[tuple[Features, tuple[int, ...], bool, bool]]:
+        """Target layers mapped by one GEMM: ``(features, target layers, has_mlp, factored)``; an MLP layer stands
+        alone; factored layers reading the same features share their first GEMM (``x @ [down_1 … down_n]``)."""
         by_features: dict[tuple, list[int]] = {}
         for layer in range(self.target.num_layers):
             spec = self.features(kind, layer)
             lever = self.lever(kind, layer)
-            key = (spec, layer) if lever is not None and lever.hidden else (spec,)
+            key = (spec, layer) if lever is not None and lever.hidden else (spec, "factored") if self.rank(
+                kind, layer) else (spec,)
             by_features.setdefault(key, []).append(layer)
-        return [(key[0], tuple(targets), len(key) == 2) for key, targets in by_features.items()]
+        return [(key[0], tuple(targets), len(key) == 2 and key[1] != "factored", key[1:] == ("factored",))
+                for key, targets in by_features.items()]
 
     def tensor_dtypes(self) -> dict[str, str]:
         """Name → safetensors dtype code of every tensor on disk: float32 weights, int64 table keys."""
@@ -309,9 +339,10 @@ class MapperConfig:
         from .hashing import sha256_json
 
         geometry = {role: getattr(self, role).geometry for role in ("source", "target")}
+        ranks = {"ranks": {k: list(v) for k, v in sorted(self.ranks.items())}} if self.ranks else {}
         return sha256_json({"selection": {k: [list(v) for v in self.selection[k]] for k in sorted(self.selection)},
                             "levers": [v.to_dict() for v in self.levers], "layout": schema.FEATURE_LAYOUT,
-                            "geometry": geometry})[:32]
+                            "geometry": geometry} | ranks)[:32]
 
     # -- mapper.json (the format's name, version and validation: kvbridge.schema) ---------------
     def to_dict(self) -> dict[str, Any]:
@@ -319,13 +350,14 @@ class MapperConfig:
 
         return {
             "format": schema.FORMAT,
-            "format_version": schema.version_for(self.reads_state),
+            "format_version": schema.version_for(self.reads_state, self.factored),
             "kvbridge_version": __version__,
             "source": self.source.to_dict(),
             "target": self.target.to_dict(),
             "feature_layout": schema.FEATURE_LAYOUT,
             "selection": {kind: [list(layers) for layers in self.selection[kind]] for kind in self.selection},
             "levers": [lever.to_dict() for lever in self.levers],
+            **({"ranks": {kind: list(r) for kind, r in self.ranks.items()}} if self.ranks else {}),
             "runtime": self.runtime.to_dict(),
             "num_parameters": self.num_parameters(),
             "weights_dtype": "float32",  # runtime tables: recompute.bigram.keys int64, counts float32
@@ -346,6 +378,7 @@ class MapperConfig:
                 fit=dict(data.get("fit", {})),
                 levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])) if version >= 2 else (),
                 runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
+                ranks={k: tuple(v) for k, v in data.get("ranks", {}).items()} if version >= 4 else {},
             )
         except (KeyError, TypeError, ValueError) as exc:  # validate() should have named it: a last defence
             raise ArtifactError(f"{schema.CONFIG_FILE} is incomplete or malformed ({exc!r}); "
@@ -371,6 +404,10 @@ class GemmGroup:
     bias: torch.Tensor  # (n·Ft,)
     mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # W1, b1, W2, b2
     slot: int = 0  # where its n target layers start in the mapped buffer (:meth:`Mapper.map_features`)
+    # a factored group: ``weight`` is [down_1 … down_n] (F_in, Σr), ``bias`` zeros (Σr,); per target layer
+    # y = z_i @ up_i + bias_i with z_i its r_i columns of x @ weight
+    ups: tuple[torch.Tensor, ...] | None = None  # (r_i, Ft) each
+    biases: tuple[torch.Tensor, ...] | None = None  # (Ft,) each
 
 
 def _slots(groups: list[GemmGroup]) -> tuple[int, ...]:
@@ -408,8 +445,19 @@ def assemble(config: MapperConfig, fetch, device: torch.device | str, dtype: tor
     weights: dict[str, torch.Tensor] = {}
     ft = config.target.kv_features
     for kind in KINDS:
-        for _, targets, _ in config.groups(kind):
+        for _, targets, _, factored in config.groups(kind):
             if len(targets) == 1:
+                continue
+            if factored:  # the downs side by side: one GEMM's operand
+                downs = [fetch(f"{kind}.{l}.down.weight") for l in targets]
+                down = torch.empty((downs[0].shape[0], sum(d.shape[1] for d in downs)), device=device,
+                                   dtype=dtype or downs[0].dtype)
+                col = 0
+                for l, d in zip(targets, downs):
+                    down[:, col : col + d.shape[1]] = d
+                    weights[f"{kind}.{l}.down.weight"] = down[:, col : col + d.shape[1]]
+                    col += d.shape[1]
+                del downs
                 continue
             first = fetch(f"{kind}.{targets[0]}.weight")
             out_dtype = dtype or first.dtype
@@ -573,7 +621,12 @@ class Mapper:
         groups = []
         slot = 0
         all_layers = tuple(range(config.source.num_layers))
-        for spec, targets, has_mlp in config.groups(kind):
+        for spec, targets, has_mlp, factored in config.groups(kind):
+            sources = None if spec.sources == all_layers else torch.tensor(spec.sources)
+            if factored:
+                groups.append(self._factored_group(kind, spec, sources, targets, slot))
+                slot += len(targets)
+                continue
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
             b = [self.weights[f"{kind}.{l}.bias"] for l in targets]
             weight, bias = (w[0].contiguous(), b[0]) if len(w) == 1 else (_concat(w, 1), _concat(b, 0))
@@ -582,7 +635,7 @@ class Mapper:
             for i, l in enumerate(targets):
                 self.weights[f"{kind}.{l}.weight"] = weight[:, i * ft : (i + 1) * ft] if len(w) > 1 else weight
                 self.weights[f"{kind}.{l}.bias"] = bias[i * ft : (i + 1) * ft] if len(b) > 1 else bias
-            sources = None if spec.sources == all_layers else torch.tensor(spec.sources, device=weight.device)
+            sources = None if sources is None else sources.to(weight.device)
             mlp = None
             if has_mlp:
                 p = f"{kind}.{targets[0]}.mlp"
@@ -595,12 +648,30 @@ class Mapper:
             slot += len(targets)
         return groups
 
+    def _factored_group(self, kind: str, spec: Features, sources, targets: tuple[int, ...], slot: int) -> GemmGroup:
+        """Factored target layers that read the same features: one GEMM into their ranks, one small GEMM each."""
+        downs = [self.weights[f"{kind}.{l}.down.weight"] for l in targets]
+        down = downs[0].contiguous() if len(downs) == 1 else _concat(downs, 1)
+        col = 0
+        for l, d in zip(targets, downs):  # each layer's down is a view of the group's operand
+            self.weights[f"{kind}.{l}.down.weight"] = down[:, col : col + d.shape[1]]
+            col += d.shape[1]
+        ups = []
+        for l in targets:
+            self.weights[f"{kind}.{l}.up.weight"] = self.weights[f"{kind}.{l}.up.weight"].contiguous()
+            ups.append(self.weights[f"{kind}.{l}.up.weight"])
+        return GemmGroup(features=spec, sources=None if sources is None else sources.to(down.device),
+                         targets=tuple(targets), weight=down,
+                         bias=torch.zeros(down.shape[1], dtype=down.dtype, device=down.device), slot=slot,
+                         ups=tuple(ups), biases=tuple(self.weights[f"{kind}.{l}.bias"] for l in targets))
+
     @property
     def resident_bytes(self) -> int:
         """Bytes the mapper holds: every distinct storage behind its weights and the groups' GEMM operands."""
         storages = {}
         tensors = list(self.weights.values())
-        tensors += [t for groups in self.groups.values() for g in groups for t in (g.weight, g.bias, *(g.mlp or ()))]
+        tensors += [t for groups in self.groups.values() for g in groups
+                    for t in (g.weight, g.bias, *(g.mlp or ()), *(g.ups or ()), *(g.biases or ()))]
         for t in tensors:
             storage = t.untyped_storage()
             storages[(t.device, storage.data_ptr())] = storage.nbytes()
@@ -608,11 +679,11 @@ class Mapper:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weights["key.0.weight"].dtype
+        return self.groups["key"][0].weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.weights["key.0.weight"].device
+        return self.groups["key"][0].weight.device
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> Mapper:
         """A copy on ``device`` in ``dtype`` (e.g. bfloat16 for runtime), assembled layer by layer."""
@@ -762,6 +833,15 @@ class Mapper:
         """Every GEMM group of ``kind``: x @ W + b (+ the residual MLP) into its columns of ``out`` (T·B, Lt·Ft)."""
         ft = self.config.target.kv_features
         for g in self.groups[kind]:
+            if g.ups is not None:  # factored: z = x @ [down_1 … down_n], then each layer's z_i @ up_i + b_i
+                z = features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight)
+                col = 0
+                for i, (up, bias) in enumerate(zip(g.ups, g.biases)):
+                    y = out[:, (g.slot + i) * ft : (g.slot + i + 1) * ft]
+                    y.copy_(bias)
+                    y.addmm_(z[:, col : col + up.shape[0]], up)
+                    col += up.shape[0]
+                continue
             y = out[:, g.slot * ft : (g.slot + len(g.targets)) * ft]
             features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight, out=y)
             if g.mlp is not None:  # residual MLP in its own dtype (float32), (T·B, Ft)

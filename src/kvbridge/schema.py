@@ -13,9 +13,10 @@ from typing import Any
 from .errors import ArtifactError
 
 FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 3  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1
-# files read as plain maps); 3 adds the lever input "state", the source's final hidden state. A file is written with
-# the lowest version that holds it (``version_for``), so maps without a state input stay readable by older releases.
+FORMAT_VERSION = 4  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1
+# files read as plain maps); 3 adds the lever input "state", the source's final hidden state; 4 adds "ranks",
+# reduced-rank (factored) plain maps. A file is written with the lowest version that holds it (``version_for``), so
+# maps without a state input or ranks stay readable by older releases.
 CONFIG_FILE = "mapper.json"
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
@@ -28,9 +29,9 @@ FEATURE_LAYOUT = (
 )
 
 
-def version_for(reads_state: bool) -> int:
+def version_for(reads_state: bool, factored: bool = False) -> int:
     """The format version a mapper is written with: the lowest that can hold it."""
-    return 3 if reads_state else 2
+    return 4 if factored else 3 if reads_state else 2
 
 
 # -- mapper.json validation: every field's type and range, checked before any object is built --------
@@ -113,6 +114,12 @@ def validate(data: Any) -> None:
         if _get(lever, "state", where, integer(0), "an integer >= 0", required=False) and version < 3:
             raise ArtifactError(f"{CONFIG_FILE} {where} reads the source's state, which format version {version} "
                                 "cannot hold (version 3 can); the file was edited or is corrupted.")
+    ranks = _get(data, "ranks", "", lambda v: isinstance(v, dict) and set(v) <= {"key", "value"} and all(
+        isinstance(r, list) and all(_is_int(x) and x >= 0 for x in r) for r in v.values()),
+        "an object of 'key'/'value' lists of integers >= 0 (one per target layer)", required=False)
+    if ranks and any(any(r) for r in ranks.values()) and version < 4:
+        raise ArtifactError(f"{CONFIG_FILE} holds reduced-rank maps, which format version {version} cannot hold "
+                            "(version 4 can); the file was edited or is corrupted.")
     runtime = _get(data, "runtime", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
     _get(runtime, "hold_back", "runtime", integer(1), "an integer >= 1", required=False)
     _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)

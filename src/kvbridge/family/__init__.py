@@ -3,7 +3,9 @@
 ``target`` (4 layers, 256 wide) and ``source`` (2 layers, 160 wide, pruned from the target and
 distilled) share one byte-level BPE tokenizer and were trained on the CPython standard library's
 source (PSF License 2.0) by :mod:`kvbridge.family.train`. They load through exactly the same
-transformers code path as hub checkpoints, so every command works on them with no network.
+transformers code path as hub checkpoints, so every command works on them with no network. A second,
+*deep* family (``name="deep"``: an 8-layer target and a 4-layer source, each trained from its own random
+initialization by :mod:`kvbridge.family.train_deep`) shares the tokenizer and the data splits.
 """
 
 from __future__ import annotations
@@ -21,21 +23,32 @@ TARGET = CHECKPOINTS / "target"
 DEEP = FAMILY_DIR / "deep"  # the deep family (8-layer target, 4-layer source trained independently)
 
 
-def _require(path: Path) -> Path:
+FAMILIES = {"default": CHECKPOINTS, "deep": DEEP}  # the deep family's checkpoints sit in deep/ (target/, source/)
+
+
+def _require(path: Path, name: str = "default") -> Path:
     if not path.exists():
-        raise ModelLoadError(
-            f"the embedded family file {path} is missing from this installation; reinstall kvbridge "
-            "(`pip install -e .` from a full clone), or retrain it with `python -m kvbridge.family.train`."
-        )
+        how = ("train it with `python -m kvbridge.family.train_deep` (resumable; about 2 hours on 2 CPU cores)"
+               if name == "deep" else "retrain it with `python -m kvbridge.family.train`")
+        raise ModelLoadError(f"the embedded family file {path} is missing from this installation; reinstall kvbridge "
+                             f"(`pip install -e .` from a full clone), or {how}.")
     return path
 
 
-def source_path() -> str:
-    return str(_require(SOURCE))
+def _checkpoints(name: str) -> Path:
+    from ..errors import InputError
+
+    if name not in FAMILIES:
+        raise InputError(f"no embedded family {name!r}; the families are {', '.join(FAMILIES)}.")
+    return FAMILIES[name]
 
 
-def target_path() -> str:
-    return str(_require(TARGET))
+def source_path(name: str = "default") -> str:
+    return str(_require(_checkpoints(name) / "source", name))
+
+
+def target_path(name: str = "default") -> str:
+    return str(_require(_checkpoints(name) / "target", name))
 
 
 def _texts(split: str) -> list[str]:
@@ -53,16 +66,19 @@ def heldout_texts() -> list[str]:
     return _texts("heldout")
 
 
-def report() -> dict:
+def report(name: str = "default") -> dict:
     """``family.json``: sizes, corpus hashes, training settings and the figures measured after training."""
-    return json.loads(_require(CHECKPOINTS / "family.json").read_text(encoding="utf-8"))
+    return json.loads(_require(_checkpoints(name) / "family.json", name).read_text(encoding="utf-8"))
 
 
-def load_family(device: str = "cpu", dtype=None):
-    """``(source, target)`` as :class:`kvbridge.models.LoadedModel`, loaded like any checkpoint folder."""
+def load_family(device: str = "cpu", dtype=None, name: str = "default"):
+    """``(source, target)`` as :class:`kvbridge.models.LoadedModel`, loaded like any checkpoint folder. ``name``:
+    ``default`` (4-layer target, 2-layer source pruned from it) or ``deep`` (8-layer target, 4-layer source
+    trained on its own)."""
     from ..models import load_model
 
-    return load_model(source_path(), device=device, dtype=dtype), load_model(target_path(), device=device, dtype=dtype)
+    return (load_model(source_path(name), device=device, dtype=dtype),
+            load_model(target_path(name), device=device, dtype=dtype))
 
 
 MAPPER = FAMILY_DIR / "mapper"

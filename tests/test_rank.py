@@ -1,0 +1,109 @@
+"""Reduced-rank maps (kvbridge.rank): the factorization, the held-out curve, the FLOP budget, the format."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvbridge import Mapper, load_model
+from kvbridge.bench import map_flops
+from kvbridge.errors import ArtifactError, InputError
+from kvbridge.fit import FitConfig, fit_mapper
+from kvbridge.mapper import KINDS, layer_features
+from kvbridge.texts import read_texts
+
+BASE = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=5, recompute=0.0, hold_back=4)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    source, target, texts = tiny_pair
+    return load_model(source), load_model(target), read_texts(texts)
+
+
+@pytest.fixture(scope="module")
+def full(models):
+    torch.manual_seed(0)
+    return fit_mapper(*models, FitConfig(**BASE), progress=False)
+
+
+def mapped(mapper, source_model, ids):
+    from kvbridge.models import prefill_content
+
+    keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
+    return mapper.map(keys, values)
+
+
+def test_a_factored_map_at_full_rank_is_the_full_map(models, full):
+    """D U = W V Vᵀ = W when V is the whole eigenbasis, and the projected bias is the bias."""
+    from kvbridge import rank as reduced
+
+    source, target, texts = models
+    pairs = reduced.factorable(full.config.levers, full.config.target.num_layers)
+    assert pairs and all((kind, layer) not in {(v.kind, v.layer) for v in full.config.levers} for kind, layer in pairs)
+    ft = full.config.target.kv_features
+    g = torch.Generator().manual_seed(0)
+    found = {key: reduced.Basis(torch.linalg.qr(torch.randn(ft, ft, generator=g, dtype=torch.float64))[0],
+                                torch.ones(ft), torch.randn(ft, generator=g, dtype=torch.float64), 0)
+             for key in pairs}
+    ranks = {key: ft for key in pairs}
+    weights = reduced.factor({n: t.clone() for n, t in full.weights.items()}, found, ranks)
+    config = replace(full.config, ranks={k: tuple(ranks.get((k, l), 0) for l in range(3)) for k in KINDS})
+    factored = Mapper(config, weights)
+    ids = torch.randint(4, 300, (2, 40))
+    for a, b in zip(sum(mapped(full, source, ids), []), sum(mapped(factored, source, ids), [])):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_rank_choice_measures_what_the_mapper_does_and_keeps_its_budget(models, full):
+    torch.manual_seed(0)
+    m = fit_mapper(*models, FitConfig(**BASE, rank_flops=0.3), progress=False)
+    choice = m.config.fit["rank_choice"]
+    assert choice["criterion"] == "held-out" and m.config.factored
+    for kind in KINDS:  # the curve's R² at the chosen rank is the R² the mapper's own hot path measures held out
+        for layer, r2 in enumerate(m.config.fit[f"{kind}_r2_heldout"]):
+            if f"{kind}.{layer}" in choice["layers"]:
+                assert choice["layers"][f"{kind}.{layer}"]["r2"] == pytest.approx(r2, abs=1e-6)
+                assert choice["layers"][f"{kind}.{layer}"]["r2_full"] == pytest.approx(
+                    full.config.fit[f"{kind}_r2_heldout"][layer], abs=1e-6)
+    plain = [f"{k}.{l}" for k in KINDS for l in range(3) if m.config.rank(k, l)]
+    spent = sum(s[0] * s[1] for n, s in m.config.weight_shapes().items()
+                if n.rsplit(".", 2)[0] in plain and n.endswith(".weight"))
+    whole = sum(s[0] * s[1] for n, s in full.config.weight_shapes().items()
+                if n.endswith(".weight") and f"{n.split('.')[0]}.{n.split('.')[1]}" in choice["layers"])
+    assert spent <= 0.3 * whole and map_flops(m, 1) < map_flops(full, 1)
+
+
+def test_a_fixed_rank_round_trips_and_older_formats_refuse_it(models, tmp_path):
+    torch.manual_seed(0)
+    m = fit_mapper(*models, FitConfig(**BASE, rank=4), progress=False)
+    assert all(r in (0, 4) for r in m.config.ranks["key"]) and any(m.config.ranks["key"])
+    m.save_pretrained(tmp_path / "m")
+    data = json.loads((tmp_path / "m" / "mapper.json").read_text())
+    assert data["format_version"] == 4 and data["ranks"] == {k: list(v) for k, v in m.config.ranks.items()}
+    loaded = Mapper.from_pretrained(str(tmp_path / "m"))
+    ids = torch.randint(4, 300, (1, 30))
+    for a, b in zip(sum(mapped(m, models[0], ids), []), sum(mapped(loaded, models[0], ids), [])):
+        assert torch.equal(a, b)
+    half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and layer_features(mapped(half, models[0], ids)[0]).dtype == torch.bfloat16
+    from kvbridge.mapper import MapperConfig
+
+    old = dict(data, format_version=3)
+    with pytest.raises(ArtifactError, match="version 4"):
+        MapperConfig.from_dict(old)
+    lever = m.config.levers[0]
+    bad = {k: [4 if (k == lever.kind and l == lever.layer) else r for l, r in enumerate(v)]
+           for k, v in data["ranks"].items()}
+    with pytest.raises(ArtifactError, match="where a lever is"):
+        MapperConfig.from_dict(dict(data, ranks=bad))
+
+
+def test_rank_options_are_checked():
+    for bad in (dict(rank=0), dict(rank_flops=1.5), dict(rank_flops=0), dict(rank=4, rank_flops=0.5),
+                dict(rank="4"), dict(rank_flops=True)):
+        with pytest.raises(InputError):
+            FitConfig(**bad)
