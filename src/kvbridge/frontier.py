@@ -160,7 +160,6 @@ DEEP = FrontierConfig(
     fit=FIT,
     points=(
         Point("plain"),
-        Point("plain, top-k 2", fit=dict(top_k=2)),
         Point("plain, top-k 1", fit=dict(top_k=1, lever_top_k=1)),
         Point("plain, rank at 25% FLOPs", fit=dict(rank_flops=0.25)),
         Point("lean", fit=LEAN_DEEP),

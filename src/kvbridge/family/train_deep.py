@@ -5,14 +5,17 @@
 A second family built the way real pairs are: an 8-layer target and a 4-layer source, each trained **from its
 own random initialization** (no pruning, no distillation: their caches are related only by the data they read),
 with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE settings, copy curriculum and
-length curriculum. Each model runs three stages, seeded:
+length curriculum. Each model runs four stages, seeded:
 
 1. ``copy``: whole rows of a repeated random sequence over the 16 most frequent tokens, growing only once copied
-   well (:class:`~kvbridge.family.train.Rows`): induction first (the phase change came after 100-150 steps).
+   well (:class:`~kvbridge.family.train.Rows`).
 2. ``main``: 256-token rows of real code with a steady share of pure repeats and of random and real spans over the
-   1,024 most frequent tokens that recur later (``CONTINUE_MIX``, the whole alphabet at once: the first family's
-   target did not learn to copy from text alone, nor with an alphabet grown on a timer, but did this way).
-3. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
+   1,024 most frequent tokens that recur later (``CONTINUE_MIX``, the whole alphabet at once, as the first
+   family's second stage; for the deep target this alone did not bring copying: 1.6 % after 1,400 steps).
+3. ``induce``: pure repeats only, spans of 8–32 distinct tokens over the 256 most frequent (more than a span
+   holds: over 16 tokens a span is nearly a permutation of the alphabet, and the copy stage's 76 % was that
+   shortcut, gone at 32), growing to 1,024 once copied.
+4. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
    and 2,048 in turn), spans drawn from the 3,072 most frequent tokens and recurring anywhere later in the row.
 
 Training runs under bfloat16 autocast (``--autocast``; about 1.4× faster on this CPU; weights and optimizer state
@@ -54,7 +57,7 @@ from .train_long import LONG_MIX, measure, shapes_for
 
 # (layers, hidden, MLP, RoPE): the target has twice the source's depth and a third more width
 SHAPES = {"target": (8, 256, 640, TARGET_ROPE), "source": (4, 192, 512, SOURCE_ROPE)}
-STAGES = ("copy", "main", "long")
+STAGES = ("copy", "main", "induce", "long")
 SEEDS = {"target": 10, "source": 20}  # each model's own initialization and data order
 COPY_GROW_AFTER = 400
 
@@ -90,6 +93,11 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
         rows = Rows(train_stream, frequent, seed, alphabet=len(frequent))
         steps, lr = args.main_steps, 1e-3
         seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_short, **common)
+    elif stage == "induce":  # pure repeats only, over the 256 most frequent tokens growing to 1,024 when copied
+        rows = Rows(train_stream, frequent, seed, alphabet=256)
+        steps, lr = args.induce_steps, 1e-3
+        seconds = train(model, rows, steps, lr, args.batch, lambda p: PURE_ONLY, probe_short,
+                        grow_after=COPY_GROW_AFTER, **common)
     else:
         rows = Rows(train_stream, spans, seed, alphabet=len(spans), early=512)
         mix = dict(LONG_MIX, random=0.35)
@@ -106,6 +114,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(DEEP), help="where the finished family goes")
     parser.add_argument("--copy-steps", type=int, default=400, help="steps of the copy stage")
     parser.add_argument("--main-steps", type=int, default=1400)
+    parser.add_argument("--induce-steps", type=int, default=600)
     parser.add_argument("--long-steps", type=int, default=600)
     parser.add_argument("--long-lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=16)
