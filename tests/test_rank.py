@@ -107,3 +107,14 @@ def test_rank_options_are_checked():
                 dict(rank="4"), dict(rank_flops=True)):
         with pytest.raises(InputError):
             FitConfig(**bad)
+
+
+def test_a_budget_below_rank_one_is_refused_and_in_sample_curves_are_r2(models):
+    torch.manual_seed(0)
+    with pytest.raises(InputError, match="rank 1 in every factorable layer"):
+        fit_mapper(*models, FitConfig(**BASE, rank_flops=0.001), progress=False)
+    m = fit_mapper(*models, FitConfig(**dict(BASE, heldout_texts=0), rank_flops=0.3), progress=False)
+    choice = m.config.fit["rank_choice"]
+    assert choice["criterion"] == "in-sample" and 0 < choice["flops_share"] <= 0.3
+    for layer in choice["layers"].values():  # the fit's R² of the full map, not a curve normalized to end at 1
+        assert 0 < layer["r2"] <= layer["r2_full"] < 1

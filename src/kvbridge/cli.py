@@ -271,12 +271,12 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
-    fr.add_argument("--grid", choices=["full", "extended", "tuning", "values", "deep", "quick"], default="full",
+    fr.add_argument("--grid", choices=["full", "extended", "tuning", "values", "deep", "quick"], default=None,
                     help="full: the levers worth their cost (about 10 minutes on 2 CPU cores); extended: also those "
                          "that did not make it, for the record (about 40 minutes); tuning: what tuning on the "
                          "target's output and the repeated spans each buy (about 12 minutes); values: what a lever "
                          "on the same layer's values buys (about 11 minutes); deep: fast maps (top-k, reduced "
-                         "rank) against full ones, the grid --family deep runs; quick: a smoke test (default: full)")
+                         "rank) against full ones; quick: a smoke test (default: full, deep with --family deep)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
@@ -462,6 +462,10 @@ def _cmd_plan(args) -> int:
     from .plan import model_shape, plan, plan_table, read_config
 
     config = _fit_config(args)
+    if config.rank is not None or config.rank_flops is not None:
+        raise KVBridgeError("plan does not model reduced-rank maps yet; plan without --rank/--rank-flops (the full "
+                            "maps: an upper bound on memory; `python -m kvbridge.bench_real --plan` prices a rank's "
+                            "FLOPs at the Ministral-3 geometry).")
     contexts = tuple(_contexts(args.contexts, minimum=1)) if args.contexts is not None else None
     if args.batch < 1:
         raise KVBridgeError("--batch must be at least 1.")
@@ -545,20 +549,20 @@ def _cmd_frontier(args) -> int:
 
     if bool(args.source) != bool(args.target):
         raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
+    if args.source and args.family:
+        raise KVBridgeError("give --family or --source/--target, not both.")
     if args.source and not (args.heldout and args.texts):
         raise KVBridgeError("with your own pair give --texts (calibration) and --heldout (texts the models were "
                             "not calibrated on); the embedded family's texts would not fit another tokenizer.")
     check_output_dir(args.out)
     _require("matplotlib", "plot", "kvbridge frontier (frontier.png)")  # fail now, not after minutes
-    if args.source and args.family:
-        raise KVBridgeError("give --family or --source/--target, not both.")
     if args.source:
         source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
     else:
         source, target = family.load_family(device=args.device, name=args.family or "default")
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    grid = GRIDS["quick" if args.quick else ("deep" if args.family == "deep" and args.grid == "full" else args.grid)]
+    grid = GRIDS["quick" if args.quick else args.grid or ("deep" if args.family == "deep" else "full")]
     if args.seed is not None:
         grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
     report = run_frontier(source, target, calibration, heldout, grid, args.out, progress=not args.quiet)
@@ -856,8 +860,8 @@ def _family_pair(args) -> None:
     if not (hasattr(args, "family") and hasattr(args, "source")) or args.command == "frontier":
         return
     if args.family:
-        if args.source or args.target:
-            raise KVBridgeError("give --family or --source/--target, not both.")
+        if args.source or args.target or args.source_revision or args.target_revision:
+            raise KVBridgeError("give --family or --source/--target (and their revisions), not both.")
         from . import family
 
         args.source, args.target = family.source_path(args.family), family.target_path(args.family)

@@ -483,7 +483,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         chosen = reduced.choose_ranks(found, target.info.kv_features, config.rank, config.rank_flops)
         weights = reduced.factor(weights, found, chosen)
         ranks = {kind: tuple(chosen.get((kind, l), 0) for l in range(target.info.num_layers)) for kind in KINDS}
-        rank_report = reduced.report(found, chosen, target.info.num_layers, bool(held_seqs.shape[0]))
+        rank_report = reduced.report(found, chosen, target.info.kv_features, bool(held_seqs.shape[0]))
         del found
     fit_seconds = time.perf_counter() - start
     run_report = {  # volatile: kept out of mapper.json so that identical fits give identical checksums
@@ -497,7 +497,9 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "torch_threads": torch.get_num_threads(),
     }
     fit_info = {
-        "settings": asdict(config) | {"top_k": config.top_k or source.info.num_layers},
+        # (rank settings only when used: full-rank fits record what they always did, byte for byte)
+        "settings": {k: v for k, v in asdict(config).items() if k not in ("rank", "rank_flops") or v is not None}
+        | {"top_k": config.top_k or source.info.num_layers},
         "levers": lever_report,
         "tune": tune_report,
         "ridge_scaling": RIDGE_SCALING,

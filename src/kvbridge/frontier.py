@@ -217,23 +217,33 @@ def flop_limit(bridge: Bridge, tokens: int) -> float:
     return prefill_flops(bridge.target.model.config, tokens, 1) / mapped_ttft_flops(bridge, tokens)
 
 
-def real_flop_limit(bridge: Bridge, tokens: int) -> float:
+def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     """The TTFT FLOP limit this point's kind of map would have at the Ministral-3 3B→8B geometry (plan arithmetic,
-    :func:`kvbridge.bench_real.published_config`): the same share of source layers per map, the same share of
-    the full-rank FLOPs in its factored layers, levers if it has them, its runtime options."""
+    :func:`kvbridge.bench_real.published_config`): its plain maps reading the same share of the source's layers and
+    spending the same share of their full-rank FLOPs, its levers if it has the fit's default ones, its runtime
+    options. None for a point with other levers (their cost at that geometry is not planned here)."""
     from .bench import path_flops
     from .bench_real import _published_infos, published_config
+    from .fit import FitConfig
 
     config = bridge.mapper.config
+    default = FitConfig()
+    expected = {(v.lags, v.inputs, v.hidden) for v in config.levers}
+    if config.levers and (expected != {(default.lags, default.lever_input_kinds or (v.kind,), default.mlp_hidden)
+                                       for v in config.levers} or {v.kind for v in config.levers}
+                          != set(default.lever_kinds)):
+        return None
+    lever_layers = {v.layer for v in config.levers}
+    plain = [(kind, l) for kind in config.selection for l in range(config.target.num_layers) if l not in lever_layers]
+    ft, fs = config.target.kv_features, config.source.kv_features
+    share = statistics.mean(len(config.selection[kind][l]) for kind, l in plain) / config.source.num_layers
+    widths = {(kind, l): len(config.selection[kind][l]) * fs for kind, l in plain}
+    spent = sum(config.rank(kind, l) * (widths[(kind, l)] + ft) if config.rank(kind, l) else widths[(kind, l)] * ft
+                for kind, l in plain)
+    fraction = spent / sum(w * ft for w in widths.values()) if config.ranks else None
     infos, configs = _published_infos()
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
-    share = statistics.mean(len(s) for kind in config.selection for s in config.selection[kind]) \
-        / config.source.num_layers
     top_k = max(1, round(share * source.num_layers)) if share < 1 else None
-    ft, fs = config.target.kv_features, config.source.kv_features
-    factored = [(config.rank(kind, l), len(config.selection[kind][l]) * fs) for kind in config.ranks
-                for l in range(config.target.num_layers) if config.rank(kind, l)]
-    fraction = statistics.mean(r * (f + ft) / (f * ft) for r, f in factored) if factored else None
     real = published_config(source, target, bool(config.levers), configs["ministral3-3b-text"].hidden_size,
                             top_k=top_k, rank_fraction=fraction)
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
@@ -355,7 +365,7 @@ def frontier_table(report: dict) -> str:
                      + " | ".join(f"{100 * p['mean_by_length'][str(n)]:.1f}%" for n in lengths)
                      + f" | {100 * p['mean_floor_normalized_retention']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | "
                      f"{p['ttft_speedup']:.2f}× | {p['ttft_flop_limit']:.2f}× | {p['map_mflop_per_token']:.2f} | "
-                     + (f"{p['real_geometry_ttft_flop_limit']:.2f}× | " if "real_geometry_ttft_flop_limit" in p
+                     + (f"{p['real_geometry_ttft_flop_limit']:.2f}× | " if p.get("real_geometry_ttft_flop_limit")
                         else "— | ")
                      + f"{', '.join(p['source_beats_mapped']) or '—'} |")
     lines.append("")

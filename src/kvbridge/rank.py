@@ -36,6 +36,7 @@ class Basis:
     values: torch.Tensor
     mean_y: torch.Tensor
     features: int  # F: the layer's input width
+    sst_fit: float = 1.0  # the fit's Σ (y − ȳ)²
     fit: torch.Tensor | None = None  # (Ft,) Σ (e_i − z_i)²
     rest: torch.Tensor | None = None  # (Ft,) Σ e_i²
     sst: float = 0.0  # held-out Σ (y − ȳ_held)²
@@ -67,7 +68,7 @@ def bases(stats, weights: dict[str, torch.Tensor], selection, pairs, source_feat
         m = w.T @ c
         values, vectors = torch.linalg.eigh((m + m.T) / 2)  # ascending
         out[(kind, l)] = Basis(vectors.flip(1).cpu(), values.flip(0).cpu(), s.mean_y[cols].double().cpu(),
-                               int(idx.numel()))
+                               int(idx.numel()), float(s.ssq_y[cols].sum()))
     return out
 
 
@@ -83,15 +84,19 @@ def heldout_curves(source, target, sequences: torch.Tensor, selection, found: di
         mask = torch.ones_like(batch)
         sk, sv, _ = prefill_content(source.model, batch, mask)
         tk, tv, _ = prefill_content(target.model, batch, mask)
-        xs = {"key": layer_features(sk).double().cpu(), "value": layer_features(sv).double().cpu()}  # (B, T, Ls, F)
-        ys = {"key": layer_features(tk).double().cpu(), "value": layer_features(tv).double().cpu()}
+        device = tk[0].device  # the products on the fit's device, the sums on the host, in float64
+        xs = {"key": layer_features(sk).to(device, torch.float64),
+              "value": layer_features(sv).to(device, torch.float64)}  # (B, T, Ls, F)
+        ys = {"key": layer_features(tk).double(), "value": layer_features(tv).double()}
         n += batch.numel()
         for (kind, l), b in found.items():
             x = xs[kind][:, :, list(selection[kind][l])].flatten(2).flatten(0, 1)  # (N, F)
             y = ys[kind][:, :, l].flatten(0, 1)  # (N, Ft)
-            w, bias = weights[f"{kind}.{l}.weight"].double(), weights[f"{kind}.{l}.bias"].double()
-            e = (y - b.mean_y) @ b.vectors
-            z = (x @ w + bias - b.mean_y) @ b.vectors
+            w, bias = (weights[f"{kind}.{l}.{p}"].to(device, torch.float64) for p in ("weight", "bias"))
+            v, mean = b.vectors.to(device), b.mean_y.to(device)
+            e = ((y - mean) @ v).cpu()
+            z = ((x @ w + bias - mean) @ v).cpu()
+            y = y.cpu()
             fit, rest = sums[(kind, l)]
             sums[(kind, l)] = (fit + ((e - z) ** 2).sum(0), rest + (e ** 2).sum(0))
             moments[(kind, l)][0] += y.sum(0)
@@ -103,11 +108,14 @@ def heldout_curves(source, target, sequences: torch.Tensor, selection, found: di
 
 
 def in_sample_curves(found: dict[tuple[str, int], Basis]) -> None:
-    """Without held-out data: the fit's own curve (the eigenvalues are the fitted signal each rank adds)."""
+    """Without held-out data: the fit's own curve — rank r loses the fitted signal of the directions it drops (the
+    eigenvalues), on top of the full map's error; against the fit's total variance."""
     for b in found.values():
-        b.fit = torch.zeros_like(b.values)
-        b.rest = b.values.clamp_min(0)
-        b.sst = float(b.rest.sum()) or 1.0
+        signal = b.values.clamp_min(0)
+        b.fit = torch.zeros_like(signal)
+        b.rest = signal
+        b.fit[0] = max(b.sst_fit - float(signal.sum()), 0.0)  # the full map's own error, counted at every rank
+        b.sst = b.sst_fit or 1.0
 
 
 def choose_ranks(found: dict[tuple[str, int], Basis], target_features: int, rank: int | None = None,
@@ -122,8 +130,17 @@ def choose_ranks(found: dict[tuple[str, int], Basis], target_features: int, rank
         return {key: rank if rank < widest[key] else 0 for key in found}
     budget = flops * sum(full.values())
     step = max(1, ft // 32)
+    floor = sum(min(step, widest[key]) * (b.features + ft) for key, b in found.items())
+    if floor > budget:  # the smallest start is one rank a layer
+        step = 1
+        floor = sum(b.features + ft for b in found.values())
+    if floor > budget:
+        from .errors import InputError
+
+        raise InputError(f"--rank-flops {flops:g} is below what rank 1 in every factorable layer costs "
+                         f"({floor / sum(full.values()):.3f} of their full FLOPs); pass at least that.")
     chosen = {key: min(step, widest[key]) for key in found}
-    spent = sum(r * (found[key].features + ft) for key, r in chosen.items())
+    spent = floor
     curves = {key: b.sse() / max(b.sst, 1e-30) for key, b in found.items()}  # 1 − R² by rank
     while True:
         best, best_gain = None, 0.0
@@ -163,13 +180,17 @@ def factor(weights: dict[str, torch.Tensor], found: dict[tuple[str, int], Basis]
     return out
 
 
-def report(found: dict[tuple[str, int], Basis], ranks: dict[tuple[str, int], int], target_layers: int,
+def report(found: dict[tuple[str, int], Basis], ranks: dict[tuple[str, int], int], target_features: int,
            heldout: bool) -> dict:
-    """What mapper.json's fit records of the choice: ranks, and the held-out R² of each chosen rank and of full."""
+    """What mapper.json's fit records of the choice: each layer's rank and R² (chosen rank, full rank), and the
+    share of the factorable layers' full-rank FLOPs spent."""
+    ft = target_features
+    full = sum(b.features * ft for b in found.values())
+    spent = sum(ranks[key] * (b.features + ft) if ranks[key] else b.features * ft for key, b in found.items())
     r2 = {}
     for key, b in found.items():
         curve = 1.0 - b.sse() / max(b.sst, 1e-30)
         r = ranks[key] or b.vectors.shape[0]
         r2[f"{key[0]}.{key[1]}"] = {"rank": ranks[key], "r2": round(float(curve[r]), 6),
                                     "r2_full": round(float(curve[-1]), 6)}
-    return {"criterion": "held-out" if heldout else "in-sample", "layers": r2}
+    return {"criterion": "held-out" if heldout else "in-sample", "flops_share": round(spent / full, 4), "layers": r2}
