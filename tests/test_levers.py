@@ -234,7 +234,7 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
     ids, mask = whole.pad([[5, 9, 13, 7, 21, 30, 8, 11, 40, 3, 17, 19], [6, 12, 14, 25, 9, 2, 33]])
     a, b = cache_kv(whole.mapped_cache(ids, mask)), cache_kv(chunked.mapped_cache(ids, mask))
     assert all(torch.allclose(x, y, atol=1e-5) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
-    for by in ("logit", "surprisal", "bigram"):
+    for by in ("logit", "surprisal", "bigram", "random"):
         assert Bridge(source, target, loaded, recompute=0.2, recompute_by=by).score_ids([[5, 9, 13, 7, 21]], [[30]])
     _, hidden = prefill(source.model, ids, mask, logits="hidden")
     _, logits = prefill(source.model, ids, mask, logits="all")
@@ -254,3 +254,13 @@ def test_state_widths_must_agree_with_each_other_and_with_the_source():
         Bridge(source, target, mapper((STATE,)))
     with pytest.raises(InputError, match="unknown Bridge option.*hold_bak"):  # before any path is looked at
         Bridge.from_pretrained("/nonexistent/s", "/nonexistent/t", "/nonexistent/m", hold_bak=4)
+
+
+def test_random_recompute_control_is_seeded_by_the_prompt():
+    from kvbridge.recompute import random_scores
+
+    ids = torch.tensor([[5, 9, 13, 7, 21], [5, 9, 13, 7, 21], [6, 9, 13, 7, 21]])
+    scores = random_scores(ids)
+    assert scores.shape == ids.shape and bool(((scores >= 0) & (scores < 1)).all())
+    assert torch.equal(scores[0], scores[1]) and not torch.equal(scores[0], scores[2])
+    assert torch.equal(random_scores(ids[2:]), scores[2:])  # whatever the batch

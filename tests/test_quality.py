@@ -244,17 +244,84 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys):
     assert report["fit"]["seed"] == 3  # every fit of the grid used it
     names = [p["name"] for p in report["points"]]
     assert report["recommended"] in names + [None] and set(report["pareto"]) <= set(names)
+    assert report["headline_tokens"] == 256 and report["lengths"] == [128, 256]
     for p in report["points"]:
         assert {"name", "levers", "tasks", "mean_floor_normalized_retention", "ttft_speedup", "context_tokens",
-                "validation_retention", "interval_95"} <= set(p)
+                "validation_retention", "interval_95", "retention", "speedup_noise", "by_length"} <= set(p)
         assert {t["context_tokens"] for t in p["tasks"]} == set(report["lengths"])
-        assert {"task", "native", "mapped", "source", "floor", "floor_normalized_retention"} <= set(p["tasks"][0])
+        assert {t["task"] for t in p["tasks"]} >= {"recall (document)"}  # the predictable span
+        assert {"task", "native", "mapped", "source", "floor", "floor_normalized_retention",
+                "mapped_minus_source_95"} <= set(p["tasks"][0])
+        for n in report["lengths"]:  # retention and speed at the same length
+            at = p["by_length"][str(n)]
+            assert at["retention"] <= 1.0 and at["ttft_speedup"] > 0 and len(at["round_speedups"]) == 3
+            lo, hi = at["interval_95"]
+            assert lo <= at["retention"] <= hi or lo <= hi
+        assert p["retention"] == p["by_length"]["256"]["retention"]  # the headline is one length's
         lo, hi = p["interval_95"]
         assert lo <= hi
+        for t in p["tasks"]:
+            assert (f"{t['task']}@{t['context_tokens']}" in p["source_beats_mapped"]) == (
+                t["mapped_minus_source_95"][1] < 0)
     levered = next(p for p in report["points"] if p["levers"]["mapper"])
     assert levered["levers"]["mapper"][0]["lags"] == [0, 1, 2]
+    blind = next(p for p in report["points"] if p["levers"]["runtime"].get("recompute_by") == "random")
+    assert blind["levers"]["runtime"]["recompute"] == 0.1  # the control spends the same budget
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Held-out mean" in (tmp_path / "frontier.md").read_text()
+    table = (tmp_path / "frontier.md").read_text()
+    assert "Held-out @256" in table and "at 256 tokens" in table
+
+
+def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_interval():
+    from kvbridge.evaluate import TaskResult
+    from kvbridge.frontier import recommend
+
+    def point(name, speedup, noise, validation):
+        return {"name": name, "ttft_speedup": speedup, "speedup_noise": noise, "validation_retention": validation}
+
+    def run(mapped):  # one task, 40 documents, native 1, floor 0: retention = mean of the items
+        return [[TaskResult("recall", "acc", 1.0, sum(mapped) / len(mapped), 0.5, 0.0, len(mapped),
+                            per_item={"native": [1.0] * len(mapped), "mapped": mapped, "source": [0.5] * len(mapped)},
+                            keys=list(range(len(mapped))))]]
+
+    best = [0.9] * 40
+    close = [0.9] * 39 + [0.5]  # one document worse: inside the noise of 40
+    far = [0.5] * 40
+    points = [point("best", 1.6, 0.05, 0.9), point("close", 2.0, 0.1, 0.89), point("far", 2.5, 0.1, 0.5),
+              point("noisy", 3.0, 1.6, 0.9)]
+    validation = {"best": run(best), "close": run(close), "far": run(far), "noisy": run(best)}
+    assert recommend(points, validation) == "close"  # noisy clears 1.5x only inside its own noise
+    assert recommend(points[:1] + points[2:], validation) == "best"  # far is faster, but worse beyond noise
+    assert recommend([point("slow", 1.52, 0.05, 0.9)], validation | {"slow": run(best)}) is None
+
+
+def test_paired_bootstrap_draws_a_document_at_every_length_at_once():
+    from kvbridge.evaluate import TaskResult, paired_replicates
+
+    def run(values, keys):
+        return [TaskResult("t", "acc", 1.0, sum(values) / len(values), 0.0, 0.0, len(values),
+                           per_item={"native": [1.0] * len(values), "mapped": values, "source": [0.0] * len(values)},
+                           keys=keys)]
+
+    short, long = run([1.0, 0.0, 1.0], [0, 1, 2]), run([1.0, 0.0], [0, 1])  # documents 0 and 1 at both lengths
+    diff = paired_replicates([short, long], lambda d: d[0].mapped - d[1].mapped if len(d) == 2 else 0.0,
+                             replicates=300)
+    # paired: document 1 is 0.0 at both lengths, so a replicate never sees short and long disagree beyond doc 2
+    assert min(diff) >= -1e-9
+
+
+def test_packed_rows_at_a_length_longer_than_the_documents(pair):
+    from kvbridge.errors import InputError
+    from kvbridge.evaluate import document_rows
+
+    tok = pair[1].tokenizer
+    texts = ["def f(x):\n    return x\n" * 3, "import os\n" * 5, "class A:\n    pass\n" * 8]
+    with pytest.raises(InputError, match="held-out documents"):
+        document_rows(tok, texts, 2, 64)
+    rows, keys = document_rows(tok, texts, 2, 40, pack=True)
+    assert rows.shape == (2, 40) and rows[0, 0] == tok.bos_token_id and keys[0] == 0 and keys == sorted(keys)
+    with pytest.raises(InputError, match="even packed"):
+        document_rows(tok, texts, 50, 64, pack=True)
 
 
 def test_bigram_surprisal_ranks_unseen_pairs_high():

@@ -470,7 +470,8 @@ def test_bad_cli_inputs_are_one_line_errors(fitted, tmp_path, capsys):
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--device", "bogus"], capsys, "not a device")
     _fails(["fit", "--source", "not a/valid id", "--target", target, "--texts", texts, *out, *FAST], capsys,
            "valid hub id")
-    _fails(["fit", "--source", "", "--target", target, "--texts", texts, *out, *FAST], capsys, "give --source and --target")
+    _fails(["fit", "--source", "", "--target", target, "--texts", texts, *out, *FAST], capsys,
+           "give --source and --target")
     _fails([*gen, "--mapper-device", "bogus"], capsys, "not a device")
     _fails([*gen, "--max-new-tokens", "0"], capsys, "--max-new-tokens")
     _fails([*gen, "--sample", "--temperature", "0"], capsys, "temperature")

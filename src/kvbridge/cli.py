@@ -119,7 +119,8 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
     r.add_argument("--recompute-by", choices=CRITERIA, default=d.recompute_by,
                    help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
                         "projection), minus the source's logit of each token (one dot product a token), or a bigram "
-                        f"table of the calibration text stored in the artifact (default: {d.recompute_by})")
+                        "table of the calibration text stored in the artifact; random: a control that picks tokens "
+                        f"blindly (seeded by the prompt), to measure what a criterion adds (default: {d.recompute_by})")
     r.add_argument("--recompute-window", type=int, default=d.recompute_window,
                    help="average each token's --recompute-by score over this many tokens centred on it (odd), so that "
                         "unpredictable spans (names, numbers, text to be recalled) are recomputed whole; 1: each "
@@ -255,12 +256,13 @@ def _parser() -> argparse.ArgumentParser:
 
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
-                                    "MLP, tuning on the target's output, selective recompute, hold-back), "
-                                    "measures each on the family tasks at two "
-                                    "context lengths and its time to first token against native at the longest, and "
+                                    "MLP, tuning on the target's output, selective recompute, hold-back, "
+                                    "a blind recompute as a control), measures each on the family tasks and its time "
+                                    "to first token against native at each context length (256, 1,024, 2,048), and "
                                     "writes OUT/frontier.json, frontier.md and frontier.png with the Pareto front and "
-                                    "the recommended point (the fastest within one point of the best validation "
-                                    "retention with a TTFT speed-up >= 1.5x). Without "
+                                    "the recommended point at one length (--at; the fastest whose speed-up clears "
+                                    "1.5x by its own timing noise and whose validation retention ties the best, by a "
+                                    "paired bootstrap). Retention is capped at 100 percent per task. Without "
                                     "--source/--target it runs on the embedded family.", epilog=EPILOG)
     fr.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
     fr.add_argument("--source", help="source model (default: the embedded family's)")
@@ -278,6 +280,9 @@ def _parser() -> argparse.ArgumentParser:
                          "on the same layer's values buys (about 11 minutes); deep: fast maps (top-k, reduced "
                          "rank) against full ones; quick: a smoke test (default: full, deep with --family deep)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
+    fr.add_argument("--at", type=int, default=None, metavar="TOKENS",
+                    help="the context length the recommendation is made and headlined at, one of the grid's lengths "
+                         "(default: the longest, 2,048; quick: 256)")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
                          "another seed to see how much of a difference between points is the fit's chance")
@@ -300,8 +305,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table",
                         description="Runs lm-evaluation-harness once per mode through the registered `kvbridge` model "
-                                    "and prints task, native, mapped, raw and floor-normalized retention (floors: 25%% "
-                                    "for 4-way tasks, 50%% WinoGrande, 0 GSM8K), with a mean row. Needs "
+                                    "and prints task, native, mapped, raw and floor-normalized retention (floors: 25% "
+                                    "for 4-way tasks, 50% WinoGrande, 0 GSM8K), with a mean row. Needs "
                                     "`pip install \"kvbridge[eval]\"`. Offline tasks shipped with kvbridge: "
                                     "kvbridge_family_cloze, kvbridge_family_recall.", epilog=EPILOG)
     _add_pair(ev)
@@ -565,6 +570,11 @@ def _cmd_frontier(args) -> int:
     grid = GRIDS["quick" if args.quick else args.grid or ("deep" if args.family == "deep" else "full")]
     if args.seed is not None:
         grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
+    if args.at is not None:
+        if args.at not in grid.lengths:
+            raise KVBridgeError(f"--at {args.at}: the grid measures {', '.join(map(str, grid.lengths))} tokens; "
+                                "give one of them.")
+        grid = replace(grid, choose_at=args.at)
     report = run_frontier(source, target, calibration, heldout, grid, args.out, progress=not args.quiet)
     print()
     print(frontier_table(report))

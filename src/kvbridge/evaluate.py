@@ -21,8 +21,11 @@ Family tasks (held-out text, never trained or calibrated on), each row ``BOS + s
 * ``recall (random)``: a 16-token span of distinct random tokens (from the held-out rows' 1,024 most
   frequent) placed early in the context recurs near the end; after its first token, the model must
   reproduce the other 15 (teacher-forced top-1 token accuracy);
-* ``recall (real)``: the same with a real-text span of another held-out document.
-  Both floors are measured, not assumed: the target's accuracy on the same contexts without the
+* ``recall (real)``: the same with a real-text span of another held-out document;
+* ``recall (document)`` (the frontier's fifth task, ``predictable=True``): the document's own early text (16
+  tokens from position 8-39, ordinary predictable text that the recompute criterion has no reason to pick)
+  recurs near the end; its floor replaces the early occurrence with another document's text.
+  The floors are measured, not assumed: the target's accuracy on the same contexts without the
   early occurrence (≈ 1/1,024 for random spans; what plain language modelling guesses for real text).
 """
 
@@ -55,6 +58,8 @@ class TaskResult:
     # per-item values whose mean gives each mode's score (perplexity: mean NLL per token, exponentiated);
     # mode → list, for a bootstrap over documents
     per_item: dict | None = field(default=None, repr=False, compare=False)
+    # each item's document (the index of the text its row starts in): a paired bootstrap resamples documents
+    keys: list | None = field(default=None, repr=False, compare=False)
 
     def resampled(self, index: list[int]) -> TaskResult:
         """The same task on the items ``index`` (with repeats): one bootstrap replicate."""
@@ -94,17 +99,39 @@ def retention(native: float, mapped: float, floor: float) -> tuple[float, float]
 
 def heldout_rows(tokenizer, texts: list[str], n: int, seq_len: int) -> torch.Tensor:
     """(n, seq_len) rows: BOS + the first seq_len − 1 tokens of the first n documents long enough."""
+    return document_rows(tokenizer, texts, n, seq_len)[0]
+
+
+def document_rows(tokenizer, texts: list[str], n: int, seq_len: int, pack: bool = False
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """``(rows, keys)``: (n, seq_len) rows, BOS + the first seq_len − 1 tokens of the first n documents long enough,
+    and each row's document index in ``texts``. With ``pack``, when fewer than n documents are that long, the rows
+    are the documents packed end to end instead (EOS between, as calibration windows are), each keyed by the
+    document it starts in: a context of several files, as a long prompt often is."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    rows = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        if len(ids) >= seq_len - len(bos):
-            rows.append(bos + ids[: seq_len - len(bos)])
+    body = seq_len - len(bos)
+    encoded = (tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] for text in texts)
+    rows, keys = [], []
+    for i, ids in enumerate(encoded):
+        if len(ids) >= body:
+            rows.append(bos + ids[:body])
+            keys.append(i)
         if len(rows) == n:
-            break
-    if len(rows) < n:
+            return torch.tensor(rows, dtype=torch.long), keys
+    if not pack:
         raise InputError(f"only {len(rows)} held-out documents have {seq_len} tokens; ask for fewer items.")
-    return torch.tensor(rows, dtype=torch.long)
+    stream, starts = [], []
+    for i, text in enumerate(texts):
+        starts.append((len(stream), i))
+        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            stream.append(tokenizer.eos_token_id)
+    if len(stream) < n * body:
+        raise InputError(f"the held-out texts hold {len(stream):,} tokens, not enough for {n} rows of {seq_len} "
+                         "tokens even packed end to end; ask for fewer items.")
+    rows = [bos + stream[r * body : (r + 1) * body] for r in range(n)]
+    keys = [max(i for at, i in starts if at <= r * body) for r in range(n)]
+    return torch.tensor(rows, dtype=torch.long), keys
 
 
 BANDS = ((1, 128), (128, 256), (256, 384), (384, 512), (512, 768), (768, 1024), (1024, 1536), (1536, 2048))
@@ -242,6 +269,40 @@ def recall_items(rows: torch.Tensor, alphabet: list[int] | None, seed: int = 0, 
     return ctx, floor_ctx, cont
 
 
+def document_recall_items(rows: torch.Tensor, seed: int = 0, given: int = 1):
+    """:func:`recall_items` for the document's own early text: the SPAN tokens at [a, a + SPAN) (a in 8..39) recur
+    at [b, b + SPAN) near the end; the floor contexts carry another row's tokens at [a, a + SPAN) instead."""
+    rng = random.Random(seed)
+    n, seq = rows.shape
+    ctx, floor_ctx, cont = [], [], []
+    for i, row in enumerate(rows.tolist()):
+        a, b = rng.randrange(8, 40), rng.randrange(seq - 64, seq - SPAN)
+        span = row[a : a + SPAN]
+        with_early = list(row)
+        with_early[b : b + SPAN] = span
+        without = list(with_early)
+        without[a : a + SPAN] = rows[(i + 1 + rng.randrange(n - 1)) % n, a : a + SPAN].tolist()
+        ctx.append(with_early[: b + given])
+        floor_ctx.append(without[: b + given])
+        cont.append(span[given:])
+    return ctx, floor_ctx, cont
+
+
+def task_document_recall(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8,
+                         reference: TaskResult | None = None) -> TaskResult:
+    """Recall the document's own early text near the end: a span no recompute criterion singles out."""
+    ctx, floor_ctx, cont = document_recall_items(rows)
+
+    def accuracy(contexts, mode):
+        return [s.correct / s.tokens for s in _score(bridge, contexts, cont, mode, batch_size)]
+
+    acc = {mode: accuracy(ctx, mode) for mode in _modes(reference)}
+    distance = rows.shape[1] - 64 - 40
+    return _result("recall (document)", f"token accuracy, the document's own early {SPAN} tokens, ≥{distance} "
+                   "tokens back", acc, None if reference is not None else accuracy(floor_ctx, "native"), len(rows),
+                   reference)
+
+
 def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int | None = 1024,
                 batch_size: int = 8, reference: TaskResult | None = None) -> TaskResult:
     """Recall a span stated early: random distinct tokens of the ``alphabet_size`` most frequent tokens,
@@ -263,20 +324,25 @@ def task_recall(bridge: Bridge, rows: torch.Tensor, alphabet_size: int | None = 
 
 
 def family_tasks(bridge: Bridge, texts: list[str], items: int = 32, seq_len: int = 256,
-                 reference: list[TaskResult] | None = None, batch_size: int = 8) -> list[TaskResult]:
-    """Run the four family tasks on ``items`` held-out documents of ``seq_len`` tokens.
+                 reference: list[TaskResult] | None = None, batch_size: int = 8, predictable: bool = False,
+                 pack: bool = False) -> list[TaskResult]:
+    """Run the four family tasks (five with ``predictable``: + ``recall (document)``) on ``items`` held-out
+    documents of ``seq_len`` tokens (``pack``: documents packed end to end when too few are that long).
 
     With ``reference`` (the results of an earlier run on the same texts, items and length), only the
     mapped mode runs and native, source and floors are copied: what a sweep over mappers needs.
     """
-    rows = heldout_rows(bridge.tokenizer, texts, items, seq_len)
-    ref = reference or [None] * 4
-    return [
+    rows, keys = document_rows(bridge.tokenizer, texts, items, seq_len, pack)
+    ref = reference or [None] * (5 if predictable else 4)
+    results = [
         task_perplexity(bridge, rows, scored=seq_len // 4, batch_size=batch_size, reference=ref[0]),
         task_cloze(bridge, rows, context=seq_len - CHOICE_TOKENS, batch_size=batch_size, reference=ref[1]),
         task_recall(bridge, rows, batch_size=batch_size, reference=ref[2]),
         task_recall(bridge, rows, alphabet_size=None, batch_size=batch_size, reference=ref[3]),
     ]
+    if predictable:
+        results.append(task_document_recall(bridge, rows, batch_size=batch_size, reference=ref[4]))
+    return [replace(r, keys=keys) for r in results]
 
 
 def mean_retention(results: list[TaskResult]) -> float:
@@ -294,22 +360,60 @@ def capped_mean_retention(results: list[TaskResult]) -> float:
 
 
 def bootstrap_interval(runs: list[list[TaskResult]], replicates: int = 1000, seed: int = 0,
-                       level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of :func:`mean_retention` over all tasks of ``runs`` when documents are resampled.
+                       level: float = 0.95, statistic=mean_retention) -> tuple[float, float]:
+    """Percentile interval of ``statistic`` (default :func:`mean_retention`) over all tasks of ``runs`` when
+    documents are resampled (:func:`paired_replicates`)."""
+    return percentile_interval(paired_replicates(runs, statistic, replicates, seed), level)
 
-    Each run is one :func:`family_tasks` call: its tasks share documents, so one resample of document
-    indices serves all of them; separate runs (other lengths) are resampled independently.
-    """
+
+def paired_replicates(runs: list[list[TaskResult]], statistic=capped_mean_retention, replicates: int = 1000,
+                      seed: int = 0) -> list[float]:
+    """``statistic`` of the tasks of ``runs`` under ``replicates`` resamples of documents, paired across runs.
+
+    Each run is one :func:`family_tasks` call (one length; its tasks share rows). A replicate draws documents
+    with replacement from every document any run read, and each run keeps the items of the drawn documents
+    (a document read at two lengths is drawn, or not, at both: the lengths' figures are not independent, and an
+    interval that resampled them apart would be too narrow). ``runs`` may hold the same rows for several
+    mappers (a point and the best one, the mapped and the source figures): their differences are paired too.
+    Results without document keys count each item as its own document."""
     rng = random.Random(seed)
+    keyed = [[r.keys or list(range(r.items)) for r in run] for run in runs]
+    documents = sorted({k for run in keyed for keys in run for k in keys})
+    where = [[{} for _ in run] for run in runs]  # per run, per task: document → its item indices
+    for i, run in enumerate(keyed):
+        for j, keys in enumerate(run):
+            for item, key in enumerate(keys):
+                where[i][j].setdefault(key, []).append(item)
     values = []
     for _ in range(replicates):
+        drawn_docs = [documents[rng.randrange(len(documents))] for _ in documents]
         drawn = []
-        for run in runs:
-            index = [rng.randrange(run[0].items) for _ in range(run[0].items)]
-            drawn += [r.resampled(index) for r in run]
-        values.append(mean_retention(drawn))
+        for run, maps in zip(runs, where):
+            for result, items in zip(run, maps):
+                index = [i for d in drawn_docs for i in items.get(d, ())]
+                if index:
+                    drawn.append(result.resampled(index))
+        values.append(statistic(drawn))
+    return values
+
+
+def percentile_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` percentile interval of bootstrap replicates (NaNs dropped)."""
     values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan"), float("nan")
     return values[int((1 - level) / 2 * len(values))], values[min(len(values) - 1, int((1 + level) / 2 * len(values)))]
+
+
+def mapped_minus_source(result: TaskResult, replicates: int = 1000, seed: int = 0, level: float = 0.95
+                        ) -> tuple[float, float]:
+    """Paired bootstrap interval of the mapped score minus the source's over a task's documents, in the task's
+    own unit, signed so that below zero means the mapped cache does worse (perplexity: the source's mean NLL per
+    token minus the mapped one's). "Below the source" is only said when the whole interval is below zero."""
+    sign = 1.0 if result.higher_is_better else -1.0
+    diff = [sign * (m - s) for m, s in zip(result.per_item["mapped"], result.per_item["source"])]
+    runs = [[replace(result, per_item={"mapped": diff, "native": diff, "source": diff}, higher_is_better=True)]]
+    return bootstrap_interval(runs, replicates, seed, level, statistic=lambda drawn: drawn[0].mapped)
 
 
 def _defined(r: TaskResult) -> bool:

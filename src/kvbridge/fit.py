@@ -151,7 +151,7 @@ class FitConfig:
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
         if self.recompute_by not in CRITERIA:
-            raise InputError("--recompute-by must be surprisal, logit or bigram.")
+            raise InputError(f"--recompute-by must be one of {', '.join(CRITERIA)}.")
         if not is_window(self.recompute_window):
             raise InputError(f"--recompute-window must be an odd integer >= 1 (1: each token's own score), not "
                              f"{self.recompute_window}.")

@@ -123,7 +123,8 @@ class RuntimeOptions:
         if not isinstance(self.recompute, (int, float)) or not 0.0 <= self.recompute <= 1.0:
             raise ArtifactError(f"runtime recompute must be a fraction in [0, 1], not {self.recompute!r}.")
         if self.recompute_by not in CRITERIA:
-            raise ArtifactError(f"runtime recompute_by must be surprisal, logit or bigram, not {self.recompute_by!r}.")
+            raise ArtifactError(f"runtime recompute_by must be one of {', '.join(CRITERIA)}, not "
+                                f"{self.recompute_by!r}.")
         for name in ("bigram_pairs", "bigram_vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ArtifactError(f"runtime {name} must be an integer >= 0, not {getattr(self, name)!r}.")
@@ -154,7 +155,7 @@ class RuntimeOptions:
         if sink is not None and not isinstance(sink, bool):
             raise InputError(f"sink must be True or False, not {sink!r}.")
         if recompute_by is not None and recompute_by not in CRITERIA:
-            raise InputError(f"recompute_by must be 'surprisal', 'logit' or 'bigram', not {recompute_by!r}.")
+            raise InputError(f"recompute_by must be one of {', '.join(CRITERIA)}, not {recompute_by!r}.")
         if recompute_window is not None and not is_window(recompute_window):
             raise InputError(f"recompute_window must be an odd integer >= 1 (1: each token's own score), not "
                              f"{recompute_window!r}.")

@@ -30,6 +30,9 @@ numbers or a sequence to be recalled later, are where a mapped key that is sligh
 * ``bigram``: −log p of each token given the previous one under bigram counts of the calibration
   tokens (Dirichlet-smoothed toward the unigram distribution, ``BIGRAM_PRIOR``), stored in the
   artifact. A table lookup per token: no FLOPs.
+* ``random``: a control, not a criterion — uniform random scores, seeded by the prompt's tokens (the same
+  prompt gets the same choice), so a frontier can measure what a criterion adds over spending the same
+  recompute budget on tokens chosen blindly.
 
 Then, over a ``window`` of w tokens centred on each one (w odd, default 9 in ``kvbridge fit``), the scores are
 averaged: a token ranks high when the text around it is unpredictable, not only the token itself. That
@@ -45,13 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from .models import cache_kv, logits_from_hidden, make_cache, positions_from_mask, with_cache
 
-CRITERIA = ("surprisal", "logit", "bigram")
+CRITERIA = ("surprisal", "logit", "bigram", "random")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
 
 
@@ -398,15 +402,27 @@ def source_scores(bridge, ids: torch.Tensor, mask: torch.Tensor, positions: torc
     if stored is None and bridge.recompute_by == "surprisal" and not reads_state:
         source_cache, logits = prefill(source, ids, mask, positions, logits="all")
         return source_cache, None, surprisal(logits, ids)
-    wants = bridge.recompute_by != "bigram" or reads_state
+    wants = bridge.recompute_by not in ("bigram", "random") or reads_state
     source_cache, _, hidden = bridge.source_prefill(ids, mask, stored, state=wants)
     if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
         scores = surprisal(logits_from_hidden(source, hidden), ids)
     elif bridge.recompute_by == "logit":
         scores = negative_logit(source, hidden, ids)
+    elif bridge.recompute_by == "random":
+        scores = random_scores(ids)
     else:
         scores = bigram_surprisal(ids, bridge.mapper.weights)
     return source_cache, hidden, scores
+
+
+def random_scores(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) uniform scores in [0, 1), each row seeded by its tokens: the ``random`` control's blind choice,
+    repeatable for a prompt whatever the batch it is in (left padding aside)."""
+    rows = []
+    for row in ids.cpu():
+        seed = int.from_bytes(hashlib.sha256(row.numpy().tobytes()).digest()[:8], "little")
+        rows.append(torch.rand(row.shape[0], generator=torch.Generator().manual_seed(seed)))
+    return torch.stack(rows).to(ids.device)
 
 
 @torch.no_grad()

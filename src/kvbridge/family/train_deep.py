@@ -5,7 +5,7 @@
 A second family built the way real pairs are: an 8-layer target and a 4-layer source, each trained **from its
 own random initialization** (no pruning, no distillation: their caches are related only by the data they read),
 with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE settings, copy curriculum and
-length curriculum. Each model runs four stages, seeded:
+length curriculum. Each model runs five stages, seeded:
 
 1. ``copy``: whole rows of a repeated random sequence over the 16 most frequent tokens, growing only once copied
    well (:class:`~kvbridge.family.train.Rows`).
@@ -15,7 +15,10 @@ length curriculum. Each model runs four stages, seeded:
 3. ``induce``: pure repeats only, spans of 8–32 distinct tokens over the 256 most frequent (more than a span
    holds: over 16 tokens a span is nearly a permutation of the alphabet, and the copy stage's 76 % was that
    shortcut, gone at 32), growing to 1,024 once copied.
-4. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
+4. ``recall``: ``CONTINUE_MIX`` again at 256 tokens over the 1,024 most frequent tokens, now that the model copies
+   (after ``induce`` the deep target copied pure repeats but recalled a random span inside real text 11 % of the
+   time; a ``long`` stage started from there stayed at 1-2 % recall and lost copying, 54 % -> 9 %, in 400 steps).
+5. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
    and 2,048 in turn), spans drawn from the 3,072 most frequent tokens and recurring anywhere later in the row.
 
 Training runs under bfloat16 autocast (``--autocast``; about 1.4× faster on this CPU; weights and optimizer state
@@ -57,7 +60,7 @@ from .train_long import LONG_MIX, measure, shapes_for
 
 # (layers, hidden, MLP, RoPE): the target has twice the source's depth and a third more width
 SHAPES = {"target": (8, 256, 640, TARGET_ROPE), "source": (4, 192, 512, SOURCE_ROPE)}
-STAGES = ("copy", "main", "induce", "long")
+STAGES = ("copy", "main", "induce", "recall", "long")
 SEEDS = {"target": 10, "source": 20}  # each model's own initialization and data order
 COPY_GROW_AFTER = 400
 
@@ -98,6 +101,10 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
         steps, lr = args.induce_steps, 1e-3
         seconds = train(model, rows, steps, lr, args.batch, lambda p: PURE_ONLY, probe_short,
                         grow_after=COPY_GROW_AFTER, **common)
+    elif stage == "recall":  # copying inside real text, at the short length where it is cheap to learn
+        rows = Rows(train_stream, frequent, seed, alphabet=len(frequent))
+        steps, lr = args.recall_steps, args.long_lr
+        seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_short, **common)
     else:
         rows = Rows(train_stream, spans, seed, alphabet=len(spans), early=512)
         mix = dict(LONG_MIX, random=0.35)
@@ -115,6 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-steps", type=int, default=400, help="steps of the copy stage")
     parser.add_argument("--main-steps", type=int, default=1400)
     parser.add_argument("--induce-steps", type=int, default=600)
+    parser.add_argument("--recall-steps", type=int, default=500)
     parser.add_argument("--long-steps", type=int, default=600)
     parser.add_argument("--long-lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=16)
