@@ -128,6 +128,12 @@ def repeat_spans(sequences: torch.Tensor, per_row: float, seed: int = 0, special
     Either way the second occurrence is what only the first one explains, as in a document that repeats a
     name, a number or a line. Calibration text rarely does this, yet in-context recall lives in exactly these
     tokens' keys (the previous-token keys an induction head matches). ``per_row`` 0 returns the rows unchanged.
+
+    Not the evaluation's recipe (:mod:`kvbridge.evaluate`'s recall tasks): the lengths differ (8-32 tokens
+    against always 16), the sources differ (random spans here are drawn from the rows' own token distribution,
+    repeats allowed, against distinct tokens of the 1,024 most frequent; real spans from any position of another
+    calibration row against the same position of another held-out row), and the positions differ (anywhere in
+    the first half, then anywhere in the second, against 8-39 tokens in and again in the last 64).
     """
     if not 0.0 <= per_row <= MAX_SPANS:
         raise InputError(f"repeated spans per row must be a number from 0 to {MAX_SPANS}, not {per_row}.")
