@@ -368,3 +368,22 @@ def test_fit_defaults_are_the_frontiers_recommended_point():
     # the frontier fits on fewer windows: 64 of the calibration documents are its validation set
     assert FitConfig(**FAMILY) == replace(FULL.fit, **point.fit, **point.runtime, num_texts=160) == DEMO.fit
     assert FitConfig().top_k is None  # a deeper source than the family's keeps every source layer by default
+
+
+def test_a_cell_counts_only_where_native_beats_the_floor_beyond_noise_and_is_held_to_0_100():
+    from dataclasses import replace
+
+    from kvbridge.evaluate import TaskResult, capped_mean_retention, has_benefit, mean_retention
+
+    def cell(native, mapped, floor):
+        n = len(native)
+        return TaskResult("recall", "acc", sum(native) / n, sum(mapped) / n, 0.0, sum(floor) / n, n,
+                          per_item={"native": native, "mapped": mapped, "source": [0.0] * n, "floor": floor})
+
+    clear = cell([0.8] * 30, [0.9] * 30, [0.1] * 30)  # retention 114 %: held to 100 %
+    worse = cell([0.8] * 30, [0.0] * 30, [0.1] * 30)  # worse than no context: held to 0 %
+    noise = cell([0.3, 0.2] * 15, [0.0] * 30, [0.2, 0.3] * 15)  # native equals its floor on average
+    assert has_benefit(clear) and has_benefit(worse) and not has_benefit(noise)
+    cells = [replace(c, benefit=has_benefit(c)) for c in (clear, worse, noise)]
+    assert capped_mean_retention(cells) == pytest.approx(0.5)
+    assert mean_retention(cells) == pytest.approx((0.8 / 0.7 - 1.0 / 7) / 2)

@@ -78,6 +78,9 @@ def read_frontier(folder: str | Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("points"), list):
         raise InputError(f"--frontier {folder}: frontier.json has no 'points'; give the folder `kvbridge frontier "
                          "--out` wrote.")
+    if "headline_tokens" not in data or not all(isinstance(p, dict) and "by_length" in p for p in data["points"]):
+        raise InputError(f"--frontier {folder}: frontier.json was written by an older kvbridge (no retention and "
+                         "speed-up at each length); run `kvbridge frontier --out DIR` again.")
     return data
 
 
@@ -237,8 +240,9 @@ def _frontier_section(frontier: dict | None) -> tuple[str, dict | None]:
     from .frontier import frontier_table
 
     summary = {"recommended": frontier.get("recommended"),
-               "points": [{k: p.get(k) for k in ("name", "mean_floor_normalized_retention", "ttft_speedup",
-                                                 "context_tokens")} for p in frontier["points"]]}
+               "headline_tokens": frontier.get("headline_tokens"),
+               "points": [{k: p.get(k) for k in ("name", "retention", "interval_95", "ttft_speedup", "context_tokens",
+                                                 "mean_floor_normalized_retention")} for p in frontier["points"]]}
     return "## Retention against speed (kvbridge frontier)\n\n" + frontier_table(frontier) + "\n\n", summary
 
 
