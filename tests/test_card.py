@@ -129,3 +129,14 @@ def test_card_refuses_unrenderable_inputs_and_writes_nothing(artifact, tmp_path,
     assert main(["card", str(folder)]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("error:") == 3
+
+
+def test_a_frontier_json_of_the_old_format_is_refused_with_a_hint(tmp_path):
+    import json
+
+    from kvbridge.card import read_frontier
+    from kvbridge.errors import InputError
+
+    (tmp_path / "frontier.json").write_text(json.dumps({"points": [{"name": "plain", "ttft_speedup": 1.9}]}))
+    with pytest.raises(InputError, match="older kvbridge.*kvbridge frontier --out"):
+        read_frontier(tmp_path)

@@ -263,4 +263,6 @@ def test_random_recompute_control_is_seeded_by_the_prompt():
     scores = random_scores(ids)
     assert scores.shape == ids.shape and bool(((scores >= 0) & (scores < 1)).all())
     assert torch.equal(scores[0], scores[1]) and not torch.equal(scores[0], scores[2])
-    assert torch.equal(random_scores(ids[2:]), scores[2:])  # whatever the batch
+    padded = torch.tensor([[0, 0, 6, 9, 13, 7, 21]])  # the third prompt left-padded in a longer batch
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    assert torch.equal(random_scores(padded, mask)[0, 2:], scores[2]) and not random_scores(padded, mask)[0, :2].any()

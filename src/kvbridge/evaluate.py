@@ -345,37 +345,52 @@ def family_tasks(bridge: Bridge, texts: list[str], items: int = 32, seq_len: int
     ]
     if predictable:
         results.append(task_document_recall(bridge, rows, batch_size=batch_size, reference=ref[4]))
-    return [replace(r, keys=keys, benefit=r.benefit if reference else has_benefit(r)) for r in results]
+    results = [replace(r, keys=keys) for r in results]
+    return [replace(r, benefit=r.benefit if reference else has_benefit(r)) for r in results]
 
 
 def has_benefit(result: TaskResult, replicates: int = 1000, seed: int = 0) -> bool:
-    """Whether native beats the floor beyond noise: the 95 % bootstrap interval of native − floor over the items
-    (per item where the floor is measured per item; perplexity on NLL) lies above zero. Where it does not, the
-    target draws no measurable benefit from the context, and a retention of it is noise over a near-zero gap
-    (the document's own text recalled ~1,900 tokens back at 2,048 tokens: native 26.7 % against a floor of
-    24.2 % on 8 rows)."""
+    """Whether native beats the floor beyond noise: the 95 % bootstrap interval of native − floor (per item where
+    the floor is measured per item; perplexity on NLL), resampling documents (``keys``; items alone without them),
+    lies above zero. Where it does not, the target draws no measurable benefit from the context, and a retention
+    of it would be noise over a near-zero gap."""
     p = result.per_item or {}
     if "native" not in p:
         return _defined(result)
     floor = p.get("floor", [result.floor] * len(p["native"]))
     sign = 1.0 if result.higher_is_better else -1.0
     gaps = [sign * (n - f) for n, f in zip(p["native"], floor)]
+    groups: dict = {}
+    for i, key in enumerate(result.keys or range(len(gaps))):
+        groups.setdefault(key, []).append(gaps[i])
+    docs = list(groups.values())
     rng = random.Random(seed)
-    means = sorted(sum(gaps[rng.randrange(len(gaps))] for _ in gaps) / len(gaps) for _ in range(replicates))
-    return means[int(0.025 * replicates)] > 0
+    means = []
+    for _ in range(replicates):
+        drawn = [g for _ in docs for g in docs[rng.randrange(len(docs))]]
+        means.append(sum(drawn) / len(drawn))
+    return sorted(means)[int(0.025 * replicates)] > 0
 
 
 def mean_retention(results: list[TaskResult]) -> float:
     """Mean floor-normalized retention over the tasks where native beats the floor (NaN if none)."""
-    defined = [r.floor_normalized_retention for r in results if _defined(r)]
+    defined = [_cell(r) for r in results if _defined(r)]
     return sum(defined) / len(defined) if defined else float("nan")
+
+
+def _cell(r: TaskResult) -> float:
+    """A counted cell's floor-normalized retention; 0 where native does not beat the floor in this sample (a
+    bootstrap replicate of a cell counted on the whole sample can draw such items: no benefit there, nothing kept;
+    the ratio of two negative gaps would read as retention)."""
+    beats = (r.native > r.floor) if r.higher_is_better else (r.native < r.floor)
+    return r.floor_normalized_retention if beats else 0.0
 
 
 def capped_mean_retention(results: list[TaskResult]) -> float:
     """:func:`mean_retention` with each task's cell held to [0 %, 100 %]: a cell above native means the transfer
     found something the task rewards, not that it beat the target, and one below zero (worse than no context) keeps
     nothing of the benefit (the headline figure; the uncapped mean stays beside it)."""
-    defined = [min(max(r.floor_normalized_retention, 0.0), 1.0) for r in results if _defined(r)]
+    defined = [min(max(_cell(r), 0.0), 1.0) for r in results if _defined(r)]
     return sum(defined) / len(defined) if defined else float("nan")
 
 
@@ -387,7 +402,7 @@ def bootstrap_interval(runs: list[list[TaskResult]], replicates: int = 1000, see
 
 
 def paired_replicates(runs: list[list[TaskResult]], statistic=capped_mean_retention, replicates: int = 1000,
-                      seed: int = 0) -> list[float]:
+                      seed: int = 0, grouped: bool = False) -> list[float]:
     """``statistic`` of the tasks of ``runs`` under ``replicates`` resamples of documents, paired across runs.
 
     Each run is one :func:`family_tasks` call (one length; its tasks share rows). A replicate draws documents
@@ -395,9 +410,10 @@ def paired_replicates(runs: list[list[TaskResult]], statistic=capped_mean_retent
     (a document read at two lengths is drawn, or not, at both: the lengths' figures are not independent, and an
     interval that resampled them apart would be too narrow). ``runs`` may hold the same rows for several
     mappers (a point and the best one, the mapped and the source figures): their differences are paired too.
-    Results without document keys count each item as its own document."""
+    Results without document keys count each item as its own document. ``grouped``: ``statistic`` receives the
+    replicate's results run by run (a list per run) instead of one flat list."""
     rng = random.Random(seed)
-    keyed = [[r.keys or list(range(r.items)) for r in run] for run in runs]
+    keyed = [[r.keys or [("item", i, k) for k in range(r.items)] for r in run] for i, run in enumerate(runs)]
     documents = sorted({k for run in keyed for keys in run for k in keys})
     where = [[{} for _ in run] for run in runs]  # per run, per task: document → its item indices
     for i, run in enumerate(keyed):
@@ -409,11 +425,12 @@ def paired_replicates(runs: list[list[TaskResult]], statistic=capped_mean_retent
         drawn_docs = [documents[rng.randrange(len(documents))] for _ in documents]
         drawn = []
         for run, maps in zip(runs, where):
+            drawn.append([])
             for result, items in zip(run, maps):
                 index = [i for d in drawn_docs for i in items.get(d, ())]
                 if index:
-                    drawn.append(result.resampled(index))
-        values.append(statistic(drawn))
+                    drawn[-1].append(result.resampled(index))
+        values.append(statistic(drawn if grouped else [r for run in drawn for r in run]))
     return values
 
 

@@ -409,20 +409,22 @@ def source_scores(bridge, ids: torch.Tensor, mask: torch.Tensor, positions: torc
     elif bridge.recompute_by == "logit":
         scores = negative_logit(source, hidden, ids)
     elif bridge.recompute_by == "random":
-        scores = random_scores(ids)
+        scores = random_scores(ids, mask)
     else:
         scores = bigram_surprisal(ids, bridge.mapper.weights)
     return source_cache, hidden, scores
 
 
-def random_scores(ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) uniform scores in [0, 1), each row seeded by its tokens: the ``random`` control's blind choice,
-    repeatable for a prompt whatever the batch it is in (left padding aside)."""
-    rows = []
-    for row in ids.cpu():
-        seed = int.from_bytes(hashlib.sha256(row.numpy().tobytes()).digest()[:8], "little")
-        rows.append(torch.rand(row.shape[0], generator=torch.Generator().manual_seed(seed)))
-    return torch.stack(rows).to(ids.device)
+def random_scores(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) uniform scores in [0, 1), each row's seeded by its real tokens (``mask``: 1 on them; left padding
+    gets zeros): the ``random`` control's blind choice, the same for a prompt whatever batch it is in."""
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.to(ids.device) == 1
+    for b, (row, keep) in enumerate(zip(ids.cpu(), real.cpu())):
+        tokens = row[keep]
+        seed = int.from_bytes(hashlib.sha256(tokens.numpy().tobytes()).digest()[:8], "little")
+        out[b, keep] = torch.rand(tokens.shape[0], generator=torch.Generator().manual_seed(seed))
+    return out.to(ids.device)
 
 
 @torch.no_grad()

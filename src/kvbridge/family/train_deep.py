@@ -161,10 +161,10 @@ def main(argv=None) -> None:
         if (work / role).exists():  # the last finished stage of this model
             model = Ministral3ForCausalLM.from_pretrained(work / role)
         model.to(args.device)
-        for stage in STAGES:
+        for i, stage in enumerate(STAGES):
             key = f"{role}/{stage}"
-            if key in progress:
-                continue
+            if key in progress or any(f"{role}/{later}" in progress for later in STAGES[i + 1 :]):
+                continue  # done, or a work folder from before this stage existed: never run a stage out of order
             progress[key] = run_stage(role, stage, model, args, streams, work, progress)
             model.save_pretrained(work / role)  # before progress.json says the stage is done
             _write_json(progress, progress_path)
