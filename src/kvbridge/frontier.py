@@ -200,8 +200,8 @@ DEEP = FrontierConfig(
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP, "quick": QUICK}
 # the point kvbridge fit's defaults reproduce, with FAMILY's source-layer counts (the demo adds them; a deeper
-# source keeps every source layer by default): chosen by the previous release's rule; the current rule's pick (3 %,
-# a validation tie with 4 % and 5 %) and why the default did not move on one run's tie: docs/levers.md
+# source keeps every source layer by default): the rule's pick at 2,048 tokens in the run in docs/results (another
+# run that day picked 3 %, its validation tie, faster inside timing noise): docs/levers.md
 RECOMMENDED = "lean + recompute 4% by span"
 
 
