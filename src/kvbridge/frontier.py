@@ -105,7 +105,7 @@ RECOMPUTE = {r: dict(recompute=r, recompute_by="logit", recompute_window=1) for 
 SPANS = {r: dict(recompute=r, recompute_by="logit", recompute_window=9) for r in (0.03, 0.04, 0.05, 0.07)}
 # the control: the same budget on tokens chosen blindly (seeded by the prompt), what the criterion adds is the rest
 BLIND = {r: dict(recompute=r, recompute_by="random", recompute_window=1) for r in (0.04,)}
-FULL = FrontierConfig(  # about 45 minutes on 2 CPU cores
+FULL = FrontierConfig(  # about 36 minutes on 2 CPU cores
     fit=FIT,
     points=(
         Point("plain"),
