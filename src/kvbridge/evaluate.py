@@ -113,9 +113,10 @@ def document_rows(tokenizer, texts: list[str], n: int, seq_len: int, pack: bool 
     document it starts in: a context of several files, as a long prompt often is."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     body = seq_len - len(bos)
-    encoded = (tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] for text in texts)
-    rows, keys = [], []
-    for i, ids in enumerate(encoded):
+    encoded, rows, keys = [], [], []
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        encoded.append(ids)
         if len(ids) >= body:
             rows.append(bos + ids[:body])
             keys.append(i)
@@ -124,9 +125,9 @@ def document_rows(tokenizer, texts: list[str], n: int, seq_len: int, pack: bool 
     if not pack:
         raise InputError(f"only {len(rows)} held-out documents have {seq_len} tokens; ask for fewer items.")
     stream, starts = [], []
-    for i, text in enumerate(texts):
+    for i, ids in enumerate(encoded):  # every text was read above: the loop only returns early when rows suffice
         starts.append((len(stream), i))
-        stream += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        stream += ids
         if tokenizer.eos_token_id is not None:
             stream.append(tokenizer.eos_token_id)
     if len(stream) < n * body:
@@ -356,7 +357,7 @@ def has_benefit(result: TaskResult, replicates: int = 1000, seed: int = 0) -> bo
     of it would be noise over a near-zero gap."""
     p = result.per_item or {}
     if "native" not in p:
-        return _defined(result)
+        return counted(result)
     floor = p.get("floor", [result.floor] * len(p["native"]))
     sign = 1.0 if result.higher_is_better else -1.0
     gaps = [sign * (n - f) for n, f in zip(p["native"], floor)]
@@ -374,7 +375,7 @@ def has_benefit(result: TaskResult, replicates: int = 1000, seed: int = 0) -> bo
 
 def mean_retention(results: list[TaskResult]) -> float:
     """Mean floor-normalized retention over the tasks where native beats the floor (NaN if none)."""
-    defined = [_cell(r) for r in results if _defined(r)]
+    defined = [_cell(r) for r in results if counted(r)]
     return sum(defined) / len(defined) if defined else float("nan")
 
 
@@ -390,7 +391,7 @@ def capped_mean_retention(results: list[TaskResult]) -> float:
     """:func:`mean_retention` with each task's cell held to [0 %, 100 %]: a cell above native means the transfer
     found something the task rewards, not that it beat the target, and one below zero (worse than no context) keeps
     nothing of the benefit (the headline figure; the uncapped mean stays beside it)."""
-    defined = [min(max(_cell(r), 0.0), 1.0) for r in results if _defined(r)]
+    defined = [min(max(_cell(r), 0.0), 1.0) for r in results if counted(r)]
     return sum(defined) / len(defined) if defined else float("nan")
 
 
@@ -453,7 +454,7 @@ def mapped_minus_source(result: TaskResult, replicates: int = 1000, seed: int = 
     return bootstrap_interval(runs, replicates, seed, level, statistic=lambda drawn: drawn[0].mapped)
 
 
-def _defined(r: TaskResult) -> bool:
+def counted(r: TaskResult) -> bool:
     """Retention means something only where native beats the floor (there is a context benefit; beyond noise
     where :func:`has_benefit` decided it)."""
     if r.benefit is not None:
@@ -469,11 +470,11 @@ def retention_table(results: list[TaskResult]) -> str:
     lines = ["| Task | Metric | Native | Mapped | Source alone | Floor | Raw retention | Floor-normalized retention |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        kept = (f"{100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}%" if _defined(r)
+        kept = (f"{100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}%" if counted(r)
                 else "n/a | n/a")
         lines.append(f"| {r.task} | {r.metric} | {fmt(r, r.native)} | {fmt(r, r.mapped)} | {fmt(r, r.source)} | "
                      f"{fmt(r, r.floor)} | {kept} |")
-    defined = [r for r in results if _defined(r)]
+    defined = [r for r in results if counted(r)]
     if defined:
         raw = sum(r.raw_retention for r in defined) / len(defined)
         norm = sum(r.floor_normalized_retention for r in defined) / len(defined)

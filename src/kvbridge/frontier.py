@@ -37,6 +37,7 @@ from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, tim
 from .evaluate import (
     bootstrap_interval,
     capped_mean_retention,
+    counted,
     family_tasks,
     mapped_minus_source,
     mean_retention,
@@ -385,7 +386,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
                 tasks.append({"task": r.task, "context_tokens": n, "native": r.native, "mapped": r.mapped,
                               "source": r.source, "floor": r.floor, "higher_is_better": r.higher_is_better,
                               "floor_normalized_retention": r.floor_normalized_retention,
-                              "counted": _counted(r),
+                              "counted": counted(r),
                               "mapped_minus_source_95": [lo, hi], "below_source": hi < 0})
         by_length = {}
         for n in lengths:
@@ -429,12 +430,6 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     write_text(out / "frontier.md", frontier_table(report) + "\n")
     plot_frontier(report, out / "frontier.png")
     return report
-
-
-def _counted(r) -> bool:
-    from .evaluate import _defined
-
-    return _defined(r)
 
 
 def headline(report: dict) -> str:

@@ -449,16 +449,16 @@ def assemble(config: MapperConfig, fetch, device: torch.device | str, dtype: tor
         for _, targets, _, factored in config.groups(kind):
             if len(targets) == 1:
                 continue
-            if factored:  # the downs side by side: one GEMM's operand
-                downs = [fetch(f"{kind}.{l}.down.weight") for l in targets]
-                down = torch.empty((downs[0].shape[0], sum(d.shape[1] for d in downs)), device=device,
-                                   dtype=dtype or downs[0].dtype)
+            if factored:  # the downs side by side: one GEMM's operand, fetched one at a time as below
+                first = fetch(f"{kind}.{targets[0]}.down.weight")
+                widths = [config.rank(kind, l) for l in targets]
+                down = torch.empty((first.shape[0], sum(widths)), device=device, dtype=dtype or first.dtype)
                 col = 0
-                for l, d in zip(targets, downs):
-                    down[:, col : col + d.shape[1]] = d
-                    weights[f"{kind}.{l}.down.weight"] = down[:, col : col + d.shape[1]]
-                    col += d.shape[1]
-                del downs
+                for i, (l, r) in enumerate(zip(targets, widths)):
+                    down[:, col : col + r] = first if i == 0 else fetch(f"{kind}.{l}.down.weight")
+                    weights[f"{kind}.{l}.down.weight"] = down[:, col : col + r]
+                    col += r
+                del first
                 continue
             first = fetch(f"{kind}.{targets[0]}.weight")
             out_dtype = dtype or first.dtype
