@@ -9,6 +9,7 @@ import torch
 
 from kvbridge import family
 from kvbridge.cli import main
+from kvbridge.errors import InputError
 from kvbridge.evaluate import heldout_rows, task_cloze, task_perplexity
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.transfer import Bridge
@@ -86,6 +87,23 @@ def test_mapped_cloze_is_above_the_floor(bridge, rows):
     result = task_cloze(bridge, rows, context=224)
     assert result.mapped > 0.25 + 0.15
     assert result.native >= result.mapped - 0.1
+
+
+def test_continuations_sharing_a_prefix_score_as_if_each_had_its_own(bridge, rows):
+    """per_context=k builds each context's prefix once (selective recompute included) and copies it to its k
+    continuations: the same scores as k separate copies of the context, padding and every mode included."""
+    assert bridge.recompute > 0
+    contexts = [rows[0, :200].tolist(), rows[1, :150].tolist()]  # different lengths: left padding
+    choices = [rows[j, 200:208].tolist() for j in (0, 2, 3)] + [rows[j, 150:155].tolist() for j in (1, 2, 3)]
+    for mode in ("mapped", "native", "source"):
+        shared = bridge.score_ids(contexts, choices, mode, per_context=3)
+        alone = bridge.score_ids([c for c in contexts for _ in range(3)], choices, mode)
+        assert [(s.correct, s.tokens) for s in shared] == [(s.correct, s.tokens) for s in alone]
+        assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(shared, alone))
+    with pytest.raises(InputError, match="2 contexts need 6 continuations"):
+        bridge.score_ids(contexts, choices[:5], per_context=3)
+    with pytest.raises(InputError, match="per_context"):
+        bridge.score_ids(contexts, choices, per_context=0)
 
 
 def test_demo_quick_runs_to_the_end(tmp_path, capsys):
@@ -184,3 +202,8 @@ def test_the_shipped_recommended_mapper_is_what_the_demo_would_fit():
 
     assert check_mapper(family.mapper_path()) == []
     assert shipped_mapper(FULL) is not None
+    # the plain map beside it: `kvbridge fit --family default --texts src/kvbridge/family/data/calibration.jsonl
+    # --lags 0 --lever-inputs same --lever-top-k 1 --mlp-hidden 0 --recompute 0 --out src/kvbridge/family/mapper-plain`
+    assert check_mapper(family.mapper_path(plain=True)) == []
+    plain = shipped_mapper(FULL, plain=True)
+    assert plain is not None and not plain.config.levers and plain.config.runtime.recompute == 0

@@ -240,15 +240,17 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo",
                           help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
-                          description="Runs offline on the two small models shipped with kvbridge: fits a mapper on "
-                                      "their calibration split, saves and verifies it, compares native and mapped "
+                          description="Runs offline on the two small models shipped with kvbridge: loads the "
+                                      "recommended mapper and the plain map shipped with them as verified artifacts "
+                                      "(--refit fits both on the calibration split), saves and verifies the "
+                                      "recommended one, compares native and mapped "
                                       "continuations on held-out prompts, then prints the retention table (perplexity, "
                                       "4-way cloze, in-context recall) and the latency table. All figures are CPU.")
     demo.add_argument("--out", help="keep the artifact (OUT/mapper) and every figure (OUT/demo.json) here")
     demo.add_argument("--quick", action="store_true", help="a reduced run for smoke tests (seconds, not minutes)")
     demo.add_argument("--refit", action="store_true",
-                      help="fit the recommended mapper again instead of loading the shipped one (about three more "
-                           "minutes on 2 cores; the same bytes)")
+                      help="fit the recommended mapper and the plain map again instead of loading the shipped ones "
+                           "(about four more minutes on 2 cores; the same bytes)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.add_argument("--family", choices=("default", "deep"), default="default",
                       help="the embedded family (deep: 8-layer target, 4-layer source trained on its own; it ships "

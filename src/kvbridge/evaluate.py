@@ -160,10 +160,12 @@ def band_perplexity(model, rows: torch.Tensor, bands=BANDS, batch_size: int = 4)
             for lo, hi in bands if hi <= rows.shape[1]}
 
 
-def _score(bridge: Bridge, contexts, continuations, mode, batch_size):
-    out = []
+def _score(bridge: Bridge, contexts, continuations, mode, batch_size, per_context: int = 1):
+    """Scores in batches of ``batch_size`` contexts (each with ``per_context`` continuations sharing its prefix)."""
+    out, k = [], per_context
     for i in range(0, len(contexts), batch_size):
-        out += bridge.score_ids(contexts[i : i + batch_size], continuations[i : i + batch_size], mode)
+        out += bridge.score_ids(contexts[i : i + batch_size], continuations[k * i : k * (i + batch_size)], mode,
+                                per_context=k)
     return out
 
 
@@ -225,11 +227,11 @@ def task_cloze(bridge: Bridge, rows: torch.Tensor, context: int, batch_size: int
         raise InputError("the cloze task needs at least 4 held-out rows.")
     ctx, cont = [], []
     for c, choices in cloze_items(rows, context):
-        ctx += [c] * 4
+        ctx.append(c)
         cont += choices
     acc = {}
-    for mode in _modes(reference):
-        scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size * 4)]
+    for mode in _modes(reference):  # each context prefilled once, its four choices read from the same prefix
+        scores = [s.logprob for s in _score(bridge, ctx, cont, mode, batch_size, per_context=4)]
         acc[mode] = [float(chose_truth(scores[4 * i : 4 * i + 4])) for i in range(n)]
     return _result("cloze", f"4-way accuracy ({CHOICE_TOKENS}-token continuations after {context} tokens)", acc,
                    0.25, n, reference)

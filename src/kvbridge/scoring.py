@@ -54,27 +54,37 @@ def score_plain(model, context: list[int], continuation: list[int]) -> Score:
 
 
 @torch.no_grad()
-def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped"
-              ) -> list[Score]:
+def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped",
+              per_context: int = 1) -> list[Score]:
     """Log-likelihood of each continuation given its context, and whether it is the greedy one.
 
     The continuing model (target for ``mapped``/``native``) reads the held-back context tokens
-    and the continuation in one forward pass over the prefix cache.
+    and the continuation in one forward pass over the prefix cache. ``per_context``: each context is
+    followed by that many consecutive continuations (``continuations[i * k : (i + 1) * k]`` after
+    ``contexts[i]``, as multiple-choice items are); its prefix cache is built once and shared by them.
     """
-    if len(contexts) != len(continuations):
-        raise InputError("contexts and continuations must have the same length.")
+    if not isinstance(per_context, int) or per_context < 1:
+        raise InputError(f"per_context must be a positive integer, not {per_context!r}.")
+    if len(contexts) * per_context != len(continuations):
+        raise InputError(f"{len(contexts)} contexts need {len(contexts) * per_context} continuations "
+                         f"({per_context} each), not {len(continuations)}.")
     if not contexts:
         raise InputError("no contexts given; nothing to score.")
     if any(len(c) == 0 for c in continuations):
         raise InputError("a continuation is empty; nothing to score.")
     check_ids(continuations, "continuation", bridge.vocab)
-    for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
+    for i, cont in enumerate(continuations):
+        ctx = contexts[i // per_context]
         if len(ctx) + len(cont) > bridge.max_positions:
             raise InputError(f"context {i} plus its continuation has {len(ctx) + len(cont)} tokens, more than "
                              f"the {bridge.max_positions} positions these models support. Truncate the context.")
     longest = max(len(c) for c in continuations)
     ids, mask = bridge.pad(contexts)
-    model, cache = bridge.prefix_cache(mode, ids, mask, owing=True)
+    # a shared prefix is completed (any selective recompute run) before it is copied to its continuations
+    model, cache = bridge.prefix_cache(mode, ids, mask, owing=per_context == 1)
+    if per_context > 1:
+        cache.batch_repeat_interleave(per_context)
+        ids, mask = ids.repeat_interleave(per_context, 0), mask.repeat_interleave(per_context, 0)
     b, m = ids.shape[0], bridge.held_back(mask)
     tail = torch.full((b, m + longest), int(ids[0, -1]), dtype=torch.long)
     tail_mask = torch.zeros((b, m + longest), dtype=torch.long)

@@ -278,10 +278,11 @@ class Bridge(PromptBatches):
         return generate_texts(self, prompts, mode, max_new_tokens, **generate_kwargs)
 
     # -- scoring (kvbridge.scoring) --------------------------------------------------------------
-    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: Mode = "mapped"
-                  ) -> list[Score]:
-        """Log-likelihood of each continuation given its context (see :func:`kvbridge.scoring.score_ids`)."""
-        return score_ids(self, contexts, continuations, mode)
+    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: Mode = "mapped",
+                  per_context: int = 1) -> list[Score]:
+        """Log-likelihood of each continuation given its context (see :func:`kvbridge.scoring.score_ids`;
+        ``per_context``: that many consecutive continuations share each context's prefix)."""
+        return score_ids(self, contexts, continuations, mode, per_context)
 
     def score(self, contexts: list[str], continuations: list[str], mode: Mode = "mapped") -> list[Score]:
         """Text version of :meth:`score_ids`: the context is encoded with special tokens, the continuation without."""

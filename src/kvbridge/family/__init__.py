@@ -82,12 +82,15 @@ def load_family(device: str = "cpu", dtype=None, name: str = "default"):
 
 
 MAPPER = FAMILY_DIR / "mapper"
+PLAIN_MAPPER = FAMILY_DIR / "mapper-plain"
 
 
-def mapper_path() -> str:
+def mapper_path(plain: bool = False) -> str:
     """The family's recommended mapper, shipped as a verified artifact: ``kvbridge fit``'s defaults with ``--top-k 1
-    --lever-top-k 1`` on the calibration split (its ``fit_report.json`` says how long the fit took)."""
-    return str(_require(MAPPER))
+    --lever-top-k 1`` on the calibration split (its ``fit_report.json`` says how long the fit took). ``plain``: the
+    published card's kind of map beside it (every source layer, no levers or recompute: ``--lags 0 --lever-inputs
+    same --lever-top-k 1 --mlp-hidden 0 --recompute 0``), which the demo compares with."""
+    return str(_require(PLAIN_MAPPER if plain else MAPPER))
 
 
 CHAT_TEMPLATE = FAMILY_DIR / "chat_template.jinja"

@@ -22,12 +22,13 @@ class EngineScorer:
     def __init__(self, llm, config: ServeConfig, tokenizer, hold_back: int, batch: int = 64):
         self.llm, self.config, self.tokenizer, self.hold_back, self.batch = llm, config, tokenizer, hold_back, batch
 
-    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped"
-                  ) -> list[Score]:
+    def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped",
+                  per_context: int = 1) -> list[Score]:
         from vllm import SamplingParams
 
         from . import mapped_request
 
+        contexts = [c for c in contexts for _ in range(per_context)]  # one request per continuation, as before
         out = []
         for i in range(0, len(contexts), self.batch):
             items, params = [], []
