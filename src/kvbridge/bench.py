@@ -25,6 +25,7 @@ reset between phases through ``/proc/self/clear_refs`` where Linux allows it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -101,12 +102,12 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
 
 def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
     """FLOPs of the map's GEMMs, keys and values: 2·T·Σ d_in·d_out over every weight (each layer's ``x @ W``
-    and a residual MLP's two).
+    and a residual MLP's two; a head-blocked layer's n blocks, n·(d_in/n)·(d_out/n) each).
 
     Takes a mapper or only its config (the shapes decide): a plan needs no weights.
     """
     config = mapper.config if isinstance(mapper, Mapper) else mapper
-    return 2.0 * tokens * sum(s[0] * s[1] for n, s in config.weight_shapes().items() if n.endswith(".weight"))
+    return 2.0 * tokens * sum(math.prod(s) for n, s in config.weight_shapes().items() if n.endswith(".weight"))
 
 
 def recompute_flops(config, n: int, prefix: int) -> float:
@@ -192,7 +193,9 @@ def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, tr
     pairs = []
     for kind in KINDS:
         for group in mapper.groups[kind]:
-            x = torch.randn(tokens, group.weight.shape[0], device=mapper.device, dtype=mapper.dtype)
+            # a head-blocked layer's weight is (n, F_in / n, Ft / n): one batched GEMM of n blocks
+            x = torch.randn(*group.weight.shape[:-2], tokens, group.weight.shape[-2], device=mapper.device,
+                            dtype=mapper.dtype)
             pairs.append((x, group.weight))
             for up in group.ups or ():  # a factored group's second GEMMs
                 pairs.append((torch.randn(tokens, up.shape[0], device=mapper.device, dtype=up.dtype), up))

@@ -57,12 +57,13 @@ def build(name: str, device, dtype, tiny: bool):
 
 
 def published_config(source_info, target_info, levers: bool, source_hidden: int = 0, lever_inputs: str | None = None,
-                     top_k: int | None = None, rank_fraction: float | None = None):
+                     top_k: int | None = None, rank_fraction: float | None = None, head_blocks: int | None = None):
     """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
     without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
     on the data; the cost does not). ``lever_inputs`` replaces the default's (e.g. "kvs"). Fast maps: ``top_k``
     source layers a plain map (the last ones: the cost depends on the count only); ``rank_fraction``: every layer
-    without levers factored through the rank that costs this share of its full map's FLOPs."""
+    without levers factored through the rank that costs this share of its full map's FLOPs; ``head_blocks``: every
+    layer without levers split into that many blocks of KV heads (the head count: head-matched)."""
     from dataclasses import replace
 
     from .fit import FitConfig
@@ -88,8 +89,13 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
         ranks = {kind: tuple(0 if l in lever_layers else max(1, int(rank_fraction * (len(layers) * fs) * ft
                                                                     // (len(layers) * fs + ft)))
                              for l, layers in enumerate(selection[kind])) for kind in selection}
+    heads = {}
+    if head_blocks is not None:
+        lever_layers = {v.layer for v in chosen}
+        heads = {kind: tuple(1 if l in lever_layers else head_blocks for l in range(target_info.num_layers))
+                 for kind in selection}
     return MapperConfig(source=source_info, target=target_info, selection=selection, fit={"kind": "random"},
-                        levers=chosen, ranks=ranks)
+                        levers=chosen, ranks=ranks, heads=heads)
 
 
 def random_mapper(source, target, device, dtype, levers: bool = False):
@@ -181,9 +187,11 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
     rows = (("plain (the published artifact's)", False, dict(hold_back=1), {}),
             ("plain, top-k 4", False, dict(hold_back=1), dict(top_k=4)),
             ("plain, rank at 25 % of the FLOPs", False, dict(hold_back=1), dict(rank_fraction=0.25)),
+            ("plain, head-matched (8 KV heads: head h → head h)", False, dict(hold_back=1), dict(head_blocks=8)),
             (name, True, defaults, {}),
             ("the same, top-k 4", True, defaults, dict(top_k=4)),
-            ("the same, rank at 25 % of the FLOPs", True, defaults, dict(rank_fraction=0.25)))
+            ("the same, rank at 25 % of the FLOPs", True, defaults, dict(rank_fraction=0.25)),
+            ("the same, head-matched", True, defaults, dict(head_blocks=8)))
     lines = ["| Mapped path at the Ministral-3 3B→8B geometry | Map GFLOP/token | " + " | ".join(
         f"TTFT FLOP limit @{n:,}" for n in lengths) + " |", "|---|---:|" + "---:|" * len(lengths)]
     from .bench import map_flops

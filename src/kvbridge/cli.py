@@ -158,6 +158,10 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-flops", type=float, default=None,
                    help="or spend this share (0-1) of those layers' full-rank FLOPs, each layer's rank chosen where "
                         "held-out R² gains most per FLOP")
+    p.add_argument("--head-blocks", type=int, default=None,
+                   help="split every target layer without levers into this many blocks of KV heads, target block g "
+                        "reading block g of the source's heads only (the KV head count: head-matched maps; 1/N of "
+                        "the FLOPs; default: full maps)")
     p.add_argument("--ridge", type=float, default=0.01,
                      help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
@@ -171,7 +175,8 @@ def _fit_config(args):
 
     return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                      ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
-                     rank=args.rank, rank_flops=args.rank_flops, **_lever_settings(args))
+                     rank=args.rank, rank_flops=args.rank_flops, head_blocks=args.head_blocks,
+                     **_lever_settings(args))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -469,10 +474,10 @@ def _cmd_plan(args) -> int:
     from .plan import model_shape, plan, plan_table, read_config
 
     config = _fit_config(args)
-    if config.rank is not None or config.rank_flops is not None:
-        raise KVBridgeError("plan does not model reduced-rank maps yet; plan without --rank/--rank-flops (the full "
-                            "maps: an upper bound on memory; `python -m kvbridge.bench_real --plan` prices a rank's "
-                            "FLOPs at the Ministral-3 geometry).")
+    if config.rank is not None or config.rank_flops is not None or config.head_blocks is not None:
+        raise KVBridgeError("plan does not model reduced-rank or head-blocked maps yet; plan without "
+                            "--rank/--rank-flops/--head-blocks (the full maps: an upper bound on memory; `python -m "
+                            "kvbridge.bench_real --plan` prices their FLOPs at the Ministral-3 geometry).")
     contexts = tuple(_contexts(args.contexts, minimum=1)) if args.contexts is not None else None
     if args.batch < 1:
         raise KVBridgeError("--batch must be at least 1.")

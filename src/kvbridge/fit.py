@@ -60,6 +60,9 @@ class FitConfig:
     # full-rank FLOPs spent where held-out R² gains most; None: full-rank maps
     rank: int | None = None
     rank_flops: float | None = None
+    # head-blocked plain maps: every layer without levers split into this many blocks of KV heads, target block g
+    # reading source block g only (head-matched at the head count); None: full maps
+    head_blocks: int | None = None
     batch_size: int = 4
     heldout_texts: int = 4
     # levers (see kvbridge.levers): extra capacity for a few target layers
@@ -175,6 +178,10 @@ class FitConfig:
         if self.rank_flops is not None and not 0 < self.rank_flops < 1:
             raise InputError(f"--rank-flops must be a fraction in (0, 1) of the full-rank maps' FLOPs, not "
                              f"{self.rank_flops}.")
+        if self.head_blocks is not None and self.head_blocks < 2:
+            raise InputError("--head-blocks must be at least 2 (leave it out for full maps).")
+        if self.head_blocks is not None and (self.rank is not None or self.rank_flops is not None):
+            raise InputError("give --head-blocks or --rank/--rank-flops, not both: a layer's map is one or the other.")
         if self.heldout_texts < 0:
             raise InputError("--heldout-texts must be >= 0.")
 
@@ -182,7 +189,7 @@ class FitConfig:
 _INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
          "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back",
          "recompute_window")
-_OPTIONAL_INTS = ("top_k", "lever_top_k", "rank")
+_OPTIONAL_INTS = ("top_k", "lever_top_k", "rank", "head_blocks")
 _NUMBERS = ("ridge", "mlp_lr", "recompute", "repeat_spans", "tune_lr")
 _STRINGS = ("lever_inputs", "lever_weighting", "lever_objective", "recompute_by")
 
@@ -308,6 +315,38 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
     return weights, selection, report
 
 
+def solve_heads(stats: CalibrationStats, source_info, target_info, selection, layers, blocks: int, ridge: float,
+                weights: dict[str, torch.Tensor], report: dict, device: str | torch.device | None = None) -> None:
+    """Head-blocked ridge maps for ``layers`` ((kind, target layer) pairs), in place of their full ones: block g
+    of the target layer's KV heads from block g of each selected source layer's heads, each block its own ridge
+    solve on its rows and columns of the fit's statistics. Updates ``weights`` (``(n, F_in / n, Ft / n)``) and
+    the in-sample R² in ``report``."""
+    fs, ft = source_info.kv_features, target_info.kv_features
+    width_s, width_t = fs // blocks, ft // blocks  # one block's features in one source layer / the target layer
+    for kind, l in layers:
+        s: KVStats = getattr(stats, kind)
+        chosen = selection[kind][l]
+        ws, bias, sse, sst = [], torch.empty(ft, dtype=torch.float64), 0.0, 0.0
+        for g in range(blocks):
+            idx = torch.cat([torch.arange(src * fs + g * width_s, src * fs + (g + 1) * width_s) for src in chosen])
+            idx = idx.to(s.gram.device)
+            cols = slice(l * ft + g * width_t, l * ft + (g + 1) * width_t)
+            factor = ridge_factor(s.gram.index_select(0, idx).index_select(1, idx), ridge, device)
+            c = s.cross[:, cols].index_select(0, idx).to(factor.factor.device)
+            w = factor.solve(c)
+            block_sst = float(s.ssq_y[cols].sum())
+            sse += (1.0 - factor.r2(w, c, block_sst)) * block_sst
+            sst += block_sst
+            bias[g * width_t : (g + 1) * width_t] = (s.mean_y[cols].to(w.device)
+                                                    - s.mean_x.index_select(0, idx).to(w.device) @ w).cpu()
+            ws.append(w.float().cpu())
+            del factor
+        weights[f"{kind}.{l}.weight"] = torch.stack(ws).contiguous()
+        weights[f"{kind}.{l}.bias"] = bias.float().contiguous()
+        report[kind]["r2_fit"][l] = 1.0 - sse / sst if sst > 0 else float("nan")
+        report[kind]["r2_fit_mean"] = sum(report[kind]["r2_fit"]) / len(report[kind]["r2_fit"])
+
+
 @torch.no_grad()
 def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequences: torch.Tensor,
                batch_size: int = 4) -> dict[str, list[float]]:
@@ -360,9 +399,13 @@ def _peak_memory_bytes(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def check_geometry(config: FitConfig, source_layers: int, target_layers: int, max_positions=()) -> None:
+def check_geometry(config: FitConfig, source_layers: int, target_layers: int, max_positions=(), kv_heads=()
+                   ) -> None:
     """Settings that name layers or lengths the models do not have, refused before any work (fit and plan).
-    ``max_positions``: each model's limit, 0 or None when it has none."""
+    ``max_positions``: each model's limit, 0 or None when it has none; ``kv_heads``: (source, target) KV heads."""
+    if config.head_blocks is not None and kv_heads and any(h % config.head_blocks for h in kv_heads):
+        raise InputError(f"--head-blocks {config.head_blocks} must divide both models' KV heads "
+                         f"({kv_heads[0]} and {kv_heads[1]}); pass a common divisor of them.")
     if config.top_k is not None and config.top_k > source_layers:
         raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
                          "(or leave it out for all of them).")
@@ -408,7 +451,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         raise InputError("texts must be a list of strings (read a file with kvbridge.texts.read_texts).")
     check_same_tokenizer(source.info, target.info)
     check_geometry(config, source.info.num_layers, target.info.num_layers,
-                   (source.info.max_positions, target.info.max_positions))
+                   (source.info.max_positions, target.info.max_positions),
+                   (source.info.num_kv_heads, target.info.num_kv_heads))
     device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -440,6 +484,15 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                 if v.kind == kind:
                     chosen[v.layer] = best[v.layer]
             selection[kind] = tuple(chosen)
+    heads: dict[str, tuple[int, ...]] = {}
+    if config.head_blocks is not None:  # every layer a rank could factor: no lever on its target layer
+        from .rank import factorable
+
+        blocked = factorable(levers, target.info.num_layers)
+        solve_heads(stats, source.info, target.info, selection, blocked, config.head_blocks, config.ridge, weights,
+                    report, device)
+        heads = {kind: tuple(config.head_blocks if (kind, l) in blocked else 1 for l in range(target.info.num_layers))
+                 for kind in KINDS}
     found = None
     if config.rank is not None or config.rank_flops is not None:  # the eigenbases need the fit's statistics
         from . import rank as reduced
@@ -498,7 +551,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     }
     fit_info = {
         # (rank settings only when used: full-rank fits record what they always did, byte for byte)
-        "settings": {k: v for k, v in asdict(config).items() if k not in ("rank", "rank_flops") or v is not None}
+        "settings": {k: v for k, v in asdict(config).items()
+                     if k not in ("rank", "rank_flops", "head_blocks") or v is not None}
         | {"top_k": config.top_k or source.info.num_layers},
         "levers": lever_report,
         "tune": tune_report,
@@ -526,7 +580,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
                              bigram_vocab=vocab,
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,
-                                 levers=levers, runtime=runtime, ranks=ranks), weights, run_report)
+                                 levers=levers, runtime=runtime, ranks=ranks, heads=heads), weights, run_report)
     del weights  # the mapper holds them once (group operands); the per-layer originals can go
     if held_seqs.shape[0]:
         held = heldout_r2(mapper, source, target, held_seqs, config.batch_size)

@@ -197,6 +197,8 @@ DEEP = FrontierConfig(
               runtime=SPANS[0.04]),
         Point("lean, rank at 25% FLOPs + recompute 4% by span", fit=dict(LEAN_DEEP, rank_flops=0.25),
               runtime=SPANS[0.04]),
+        Point("plain, head-matched", fit=dict(head_blocks=4)),
+        Point("lean, head-matched + recompute 4% by span", fit=dict(LEAN_DEEP, head_blocks=4), runtime=SPANS[0.04]),
     ),
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP, "quick": QUICK}
@@ -256,8 +258,9 @@ def flop_limit(bridge: Bridge, tokens: int) -> float:
 def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     """The TTFT FLOP limit this point's kind of map would have at the Ministral-3 3B→8B geometry (plan arithmetic,
     :func:`kvbridge.bench_real.published_config`): its plain maps reading the same share of the source's layers and
-    spending the same share of their full-rank FLOPs, its levers if it has the fit's default ones, its runtime
-    options. None for a point with other levers (their cost at that geometry is not planned here)."""
+    spending the same share of their full-rank FLOPs (head-matched maps: matched there too, one block per KV head),
+    its levers if it has the fit's default ones, its runtime options. None for a point with other levers (their
+    cost at that geometry is not planned here)."""
     from .bench import path_flops
     from .bench_real import _published_infos, published_config
     from .fit import FitConfig
@@ -280,8 +283,16 @@ def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     infos, configs = _published_infos()
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
     top_k = max(1, round(share * source.num_layers)) if share < 1 else None
+    blocks = {config.blocks(kind, l) for kind, l in plain}
+    if len(blocks) > 1:
+        return None  # partly blocked: not planned here
+    blocks = blocks.pop() if blocks else 1
+    matched = blocks == config.source.num_kv_heads == config.target.num_kv_heads
+    heads = None if blocks == 1 else source.num_kv_heads if matched else blocks
+    if heads is not None and (source.num_kv_heads % heads or target.num_kv_heads % heads):
+        return None
     real = published_config(source, target, bool(config.levers), configs["ministral3-3b-text"].hidden_size,
-                            top_k=top_k, rank_fraction=fraction)
+                            top_k=top_k, rank_fraction=fraction, head_blocks=heads)
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
     return prefill_flops(tgt, tokens, 1) / path_flops(src, tgt, real, tokens, bridge.hold_back, bridge.recompute,
                                                       bridge.sink, bridge.recompute_by)

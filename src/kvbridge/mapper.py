@@ -212,6 +212,10 @@ class MapperConfig:
     runtime: RuntimeOptions = RuntimeOptions()
     # kind -> per target layer, the rank of a factored (reduced-rank) map: x @ down (F_in, r) @ up (r, Ft) + b; 0: full
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # kind -> per target layer, its head blocks: n > 1 splits the map into n blocks, block g of the target's KV heads
+    # reading only block g of the source's (of every selected layer): a head-matched map at n = the head count;
+    # 1: the full map
+    heads: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         for kind in KINDS:
@@ -253,6 +257,19 @@ class MapperConfig:
                     raise ArtifactError(f"mapper rank {r!r} for the {kind}s of target layer {layer} must be 0 (full) "
                                         f"or 1 to {widest}, and 0 where a lever is; the file was edited or is "
                                         "corrupted.")
+        object.__setattr__(self, "heads", {k: tuple(v) for k, v in self.heads.items() if any(n != 1 for n in v)})
+        for kind, blocks in self.heads.items():
+            if kind not in KINDS or len(blocks) != self.target.num_layers:
+                raise ArtifactError(f"mapper heads must list the {self.target.num_layers} target layers of keys "
+                                    f"and/or values, not {kind!r}: {list(blocks)}.")
+            for layer, n in enumerate(blocks):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1 or self.source.num_kv_heads % n or (
+                        self.target.num_kv_heads % n) or (n > 1 and (self.lever(kind, layer) is not None
+                                                                     or self.rank(kind, layer))):
+                    raise ArtifactError(f"mapper head blocks {n!r} for the {kind}s of target layer {layer} must "
+                                        f"divide both models' KV heads ({self.source.num_kv_heads} and "
+                                        f"{self.target.num_kv_heads}), and be 1 where a lever or a rank is; the "
+                                        "file was edited or is corrupted.")
         widths = sorted({v.state for v in self.levers if v.state})
         if len(widths) > 1:
             raise ArtifactError(f"levers read source states of different widths {widths}; one source has one hidden "
@@ -266,6 +283,14 @@ class MapperConfig:
     @property
     def factored(self) -> bool:
         return bool(self.ranks)
+
+    def blocks(self, kind: str, layer: int) -> int:
+        """The head blocks of (kind, layer)'s map; 1: a full map."""
+        return self.heads[kind][layer] if kind in self.heads else 1
+
+    @property
+    def head_blocked(self) -> bool:
+        return bool(self.heads)
 
     def lever(self, kind: str, layer: int) -> Lever | None:
         return next((v for v in self.levers if v.kind == kind and v.layer == layer), None)
@@ -297,8 +322,10 @@ class MapperConfig:
         for kind in KINDS:
             for layer in range(self.target.num_layers):
                 f_in = self.features(kind, layer).width(fs)
-                r = self.rank(kind, layer)
-                if r:
+                r, n = self.rank(kind, layer), self.blocks(kind, layer)
+                if n > 1:  # (n, the block's inputs, its outputs): a batch of n small maps
+                    shapes[f"{kind}.{layer}.weight"] = (n, f_in // n, ft // n)
+                elif r:
                     shapes[f"{kind}.{layer}.down.weight"] = (f_in, r)
                     shapes[f"{kind}.{layer}.up.weight"] = (r, ft)
                 else:
@@ -316,16 +343,17 @@ class MapperConfig:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
     def groups(self, kind: str) -> list[tuple[Features, tuple[int, ...], bool, bool]]:
-        """Target layers mapped by one GEMM: ``(features, target layers, has_mlp, factored)``; an MLP layer stands
-        alone; factored layers reading the same features share their first GEMM (``x @ [down_1 … down_n]``)."""
+        """Target layers mapped by one GEMM: ``(features, target layers, has_mlp, factored)``; an MLP layer and a
+        head-blocked layer stand alone; factored layers reading the same features share their first GEMM
+        (``x @ [down_1 … down_n]``)."""
         by_features: dict[tuple, list[int]] = {}
         for layer in range(self.target.num_layers):
             spec = self.features(kind, layer)
             lever = self.lever(kind, layer)
-            key = (spec, layer) if lever is not None and lever.hidden else (spec, "factored") if self.rank(
-                kind, layer) else (spec,)
+            key = ((spec, "mlp", layer) if lever is not None and lever.hidden else (spec, "factored") if self.rank(
+                kind, layer) else (spec, "heads", layer) if self.blocks(kind, layer) > 1 else (spec,))
             by_features.setdefault(key, []).append(layer)
-        return [(key[0], tuple(targets), len(key) == 2 and key[1] != "factored", key[1:] == ("factored",))
+        return [(key[0], tuple(targets), key[1:2] == ("mlp",), key[1:] == ("factored",))
                 for key, targets in by_features.items()]
 
     def tensor_dtypes(self) -> dict[str, str]:
@@ -341,6 +369,7 @@ class MapperConfig:
 
         geometry = {role: getattr(self, role).geometry for role in ("source", "target")}
         ranks = {"ranks": {k: list(v) for k, v in sorted(self.ranks.items())}} if self.ranks else {}
+        ranks |= {"heads": {k: list(v) for k, v in sorted(self.heads.items())}} if self.heads else {}
         return sha256_json({"selection": {k: [list(v) for v in self.selection[k]] for k in sorted(self.selection)},
                             "levers": [v.to_dict() for v in self.levers], "layout": schema.FEATURE_LAYOUT,
                             "geometry": geometry} | ranks)[:32]
@@ -351,7 +380,7 @@ class MapperConfig:
 
         return {
             "format": schema.FORMAT,
-            "format_version": schema.version_for(self.reads_state, self.factored),
+            "format_version": schema.version_for(self.reads_state, self.factored, self.head_blocked),
             "kvbridge_version": __version__,
             "source": self.source.to_dict(),
             "target": self.target.to_dict(),
@@ -359,6 +388,7 @@ class MapperConfig:
             "selection": {kind: [list(layers) for layers in self.selection[kind]] for kind in self.selection},
             "levers": [lever.to_dict() for lever in self.levers],
             **({"ranks": {kind: list(r) for kind, r in self.ranks.items()}} if self.ranks else {}),
+            **({"heads": {kind: list(n) for kind, n in self.heads.items()}} if self.heads else {}),
             "runtime": self.runtime.to_dict(),
             "num_parameters": self.num_parameters(),
             "weights_dtype": "float32",  # runtime tables: recompute.bigram.keys int64, counts float32
@@ -380,6 +410,7 @@ class MapperConfig:
                 levers=tuple(Lever.from_dict(v) for v in data.get("levers", [])) if version >= 2 else (),
                 runtime=RuntimeOptions.from_dict(data.get("runtime", {})) if version >= 2 else RuntimeOptions(),
                 ranks={k: tuple(v) for k, v in data.get("ranks", {}).items()} if version >= 4 else {},
+                heads={k: tuple(v) for k, v in data.get("heads", {}).items()} if version >= 5 else {},
             )
         except (KeyError, TypeError, ValueError) as exc:  # validate() should have named it: a last defence
             raise ArtifactError(f"{schema.CONFIG_FILE} is incomplete or malformed ({exc!r}); "
@@ -409,6 +440,9 @@ class GemmGroup:
     # y = z_i @ up_i + bias_i with z_i its r_i columns of x @ weight
     ups: tuple[torch.Tensor, ...] | None = None  # (r_i, Ft) each
     biases: tuple[torch.Tensor, ...] | None = None  # (Ft,) each
+    # a head-blocked layer (one target layer): ``weight`` (n, F_in / n, Ft / n), block g of the outputs from block g
+    # of each selected source layer's heads
+    blocks: int = 1
 
 
 def _slots(groups: list[GemmGroup]) -> tuple[int, ...]:
@@ -574,6 +608,21 @@ def features_matmul(bias: torch.Tensor, kv: torch.Tensor, state: torch.Tensor | 
     return out
 
 
+def head_blocks(x: torch.Tensor, sources: int, blocks: int) -> torch.Tensor:
+    """x (N, S·H·D) in :func:`layer_features`' layout → (n, N, S·H/n·D): block g holds heads [g·H/n, (g+1)·H/n)
+    of each of the S source layers, layer-major (a copy)."""
+    rows = x.shape[0]
+    return x.reshape(rows, sources, blocks, -1).permute(2, 0, 1, 3).reshape(blocks, rows, -1)
+
+
+def head_blocked_matmul(group: GemmGroup, kv: torch.Tensor, positions, past: int, out: torch.Tensor) -> None:
+    """A head-blocked layer (lag 0 of its own kind): ``out`` (T·B, Ft) = per block g, x_g @ W_g, then + bias."""
+    x = build_features(kv, None, group.features, group.sources, positions, past)
+    z = torch.bmm(head_blocks(x.to(group.weight.dtype), len(group.features.sources), group.blocks), group.weight)
+    out.unflatten(1, (group.blocks, -1)).copy_(z.transpose(0, 1))
+    out.add_(group.bias)
+
+
 class Mapper:
     """A fitted cross-model KV mapper. Build with :meth:`from_pretrained` or :func:`kvbridge.fit.fit_mapper`.
 
@@ -627,6 +676,14 @@ class Mapper:
             if factored:
                 groups.append(self._factored_group(kind, spec, sources, targets, slot))
                 slot += len(targets)
+                continue
+            if config.blocks(kind, targets[0]) > 1:  # a batch of small maps: its own tensors as they are
+                name = f"{kind}.{targets[0]}"
+                self.weights[f"{name}.weight"] = weight = self.weights[f"{name}.weight"].contiguous()
+                groups.append(GemmGroup(features=spec, sources=None if sources is None else sources.to(weight.device),
+                                        targets=tuple(targets), weight=weight, bias=self.weights[f"{name}.bias"],
+                                        slot=slot, blocks=config.blocks(kind, targets[0])))
+                slot += 1
                 continue
             w = [self.weights[f"{kind}.{l}.weight"] for l in targets]
             b = [self.weights[f"{kind}.{l}.bias"] for l in targets]
@@ -842,6 +899,9 @@ class Mapper:
                     y.copy_(bias)
                     y.addmm_(z[:, col : col + up.shape[0]], up)
                     col += up.shape[0]
+                continue
+            if g.blocks > 1:
+                head_blocked_matmul(g, kv, positions, past, out[:, g.slot * ft : (g.slot + 1) * ft])
                 continue
             y = out[:, g.slot * ft : (g.slot + len(g.targets)) * ft]
             features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight, out=y)

@@ -13,10 +13,11 @@ from typing import Any
 from .errors import ArtifactError
 
 FORMAT = "kvbridge-mapper"
-FORMAT_VERSION = 4  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1
+FORMAT_VERSION = 5  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1
 # files read as plain maps); 3 adds the lever input "state", the source's final hidden state; 4 adds "ranks",
-# reduced-rank (factored) plain maps. A file is written with the lowest version that holds it (``version_for``), so
-# maps without a state input or ranks stay readable by older releases.
+# reduced-rank (factored) plain maps; 5 adds "heads", head-blocked (head-matched) plain maps. A file is written with
+# the lowest version that holds it (``version_for``), so maps without a state input, ranks or heads stay readable by
+# older releases.
 CONFIG_FILE = "mapper.json"
 FEATURE_LAYOUT = (
     "content keys (RoPE removed with the model's own rotary module) and values; a layer's features are its "
@@ -29,9 +30,9 @@ FEATURE_LAYOUT = (
 )
 
 
-def version_for(reads_state: bool, factored: bool = False) -> int:
+def version_for(reads_state: bool, factored: bool = False, head_blocked: bool = False) -> int:
     """The format version a mapper is written with: the lowest that can hold it."""
-    return 4 if factored else 3 if reads_state else 2
+    return 5 if head_blocked else 4 if factored else 3 if reads_state else 2
 
 
 # -- mapper.json validation: every field's type and range, checked before any object is built --------
@@ -120,6 +121,12 @@ def validate(data: Any) -> None:
     if ranks and any(any(r) for r in ranks.values()) and version < 4:
         raise ArtifactError(f"{CONFIG_FILE} holds reduced-rank maps, which format version {version} cannot hold "
                             "(version 4 can); the file was edited or is corrupted.")
+    heads = _get(data, "heads", "", lambda v: isinstance(v, dict) and set(v) <= {"key", "value"} and all(
+        isinstance(n, list) and all(_is_int(x) and x >= 1 for x in n) for n in v.values()),
+        "an object of 'key'/'value' lists of integers >= 1 (one per target layer)", required=False)
+    if heads and any(any(n != 1 for n in v) for v in heads.values()) and version < 5:
+        raise ArtifactError(f"{CONFIG_FILE} holds head-blocked maps, which format version {version} cannot hold "
+                            "(version 5 can); the file was edited or is corrupted.")
     runtime = _get(data, "runtime", "", lambda v: isinstance(v, dict), "an object", required=False) or {}
     _get(runtime, "hold_back", "runtime", integer(1), "an integer >= 1", required=False)
     _get(runtime, "recompute", "runtime", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -199,9 +199,22 @@ def ministral3(layers: int, hidden: int, intermediate: int, rope: dict):
     return Ministral3ForCausalLM(config)
 
 
+def skip_positions(limit: int):
+    """Position ids that reach ``limit`` from short rows (positional skip-wise training, PoSE): each row's tokens
+    before a random cut keep positions 0, 1, …; the rest skip ahead by a random gap, so a short row holds both
+    small and large positions and distances up to ``limit`` between its two parts."""
+    def draw(batch: int, seq: int, rng) -> torch.Tensor:
+        out = torch.arange(seq).repeat(batch, 1)
+        for row in out:
+            cut, gap = rng.randrange(1, seq), rng.randrange(0, limit - seq + 1)
+            row[cut:] += gap
+        return out
+    return draw
+
+
 def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, probe, teacher=None, tag="",
           log_every: int = 100, until_alphabet: int | None = None, shapes=None, autocast=None, resume=None,
-          save=None, save_every: int = 100, grow_after: int | None = None):
+          save=None, save_every: int = 100, grow_after: int | None = None, positions=None):
     """AdamW with warmup and cosine decay; with ``teacher``, loss = KL(teacher ‖ model) + 0.5·CE.
 
     ``shapes(step)``, when given, returns ``(row length, batch)`` for that step (a length curriculum).
@@ -210,6 +223,8 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
     receives everything the loop needs to go on (:func:`loop_state`); ``resume`` is such a state.
     Returns the seconds spent in this call (a resumed run adds its earlier seconds, kept in the state).
     ``grow_after``: pure-row batches at one alphabet size before it doubles anyway (default ``GROW_AFTER``).
+    ``positions(batch, seq, rng)``, when given, returns the rows' position ids (e.g. :func:`skip_positions`),
+    drawn from ``rows.rng`` so that a resumed run draws the same ones.
     """
     grow_after = GROW_AFTER if grow_after is None else grow_after
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -235,8 +250,9 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
             rows.seq, batch = shapes(step)
         ids, pure = rows.batch(batch, mix)
         ids, pure = ids.to(device), pure.to(device)
+        extra = {} if positions is None else {"position_ids": positions(*ids.shape, rows.rng).to(device)}
         with cast():
-            out = model(input_ids=ids, labels=ids, use_cache=False)
+            out = model(input_ids=ids, labels=ids, use_cache=False, **extra)
         if pure.any():  # copy accuracy on the second half of pure-repeat rows drives the alphabet
             with torch.no_grad():
                 half = ids.shape[1] // 2

@@ -5,7 +5,7 @@
 A second family built the way real pairs are: an 8-layer target and a 4-layer source, each trained **from its
 own random initialization** (no pruning, no distillation: their caches are related only by the data they read),
 with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE settings, copy curriculum and
-length curriculum. Each model runs five stages, seeded:
+length curriculum. Each model runs six stages, seeded:
 
 1. ``copy``: whole rows of a repeated random sequence over the 16 most frequent tokens, growing only once copied
    well (:class:`~kvbridge.family.train.Rows`).
@@ -18,7 +18,12 @@ length curriculum. Each model runs five stages, seeded:
 4. ``recall``: ``CONTINUE_MIX`` again at 256 tokens over the 1,024 most frequent tokens, now that the model copies
    (after ``induce`` the deep target copied pure repeats but recalled a random span inside real text 11 % of the
    time; a ``long`` stage started from there stayed at 1-2 % recall and lost copying, 54 % -> 9 %, in 400 steps).
-5. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
+5. ``stretch``: the ``recall`` stage's rows again, with position ids that skip ahead at a random cut
+   (:func:`~kvbridge.family.train.skip_positions`, up to 2,048): after ``recall`` the deep target copied a span
+   200 tokens back at positions below 256 (26 %) but not at positions 272-472 (0.6 %) — it had never seen a
+   position past 256 — and the ``long`` stage started from there lost copying again (16 % -> 10 % in 150 steps,
+   recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions cheaply.
+6. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
    and 2,048 in turn), spans drawn from the 3,072 most frequent tokens and recurring anywhere later in the row.
 
 Training runs under bfloat16 autocast (``--autocast``; about 1.4× faster on this CPU; weights and optimizer state
@@ -54,6 +59,7 @@ from .train import (
     log,
     ministral3,
     recall_rows,
+    skip_positions,
     token_stream,
     train,
 )
@@ -61,9 +67,10 @@ from .train_long import LONG_MIX, measure, shapes_for
 
 # (layers, hidden, MLP, RoPE): the target has twice the source's depth and a third more width
 SHAPES = {"target": (8, 256, 640, TARGET_ROPE), "source": (4, 192, 512, SOURCE_ROPE)}
-STAGES = ("copy", "main", "induce", "recall", "long")
+STAGES = ("copy", "main", "induce", "recall", "stretch", "long")
 SEEDS = {"target": 10, "source": 20}  # each model's own initialization and data order
 COPY_GROW_AFTER = 400
+POSITIONS = 2048  # both models' max_position_embeddings
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -106,6 +113,11 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
         rows = Rows(train_stream, frequent, seed, alphabet=len(frequent))
         steps, lr = args.recall_steps, args.long_lr
         seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_short, **common)
+    elif stage == "stretch":  # the same rows, their positions spread over the whole 2,048
+        rows = Rows(train_stream, frequent, seed, alphabet=len(frequent))
+        steps, lr = args.stretch_steps, args.long_lr
+        seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_long,
+                        positions=skip_positions(POSITIONS), **common)
     else:
         rows = Rows(train_stream, spans, seed, alphabet=len(spans), early=512)
         mix = dict(LONG_MIX, random=0.35)
@@ -124,6 +136,7 @@ def main(argv=None) -> None:
     parser.add_argument("--main-steps", type=int, default=1400)
     parser.add_argument("--induce-steps", type=int, default=600)
     parser.add_argument("--recall-steps", type=int, default=500)
+    parser.add_argument("--stretch-steps", type=int, default=400)
     parser.add_argument("--long-steps", type=int, default=600)
     parser.add_argument("--long-lr", type=float, default=5e-4)
     parser.add_argument("--batch", type=int, default=16)

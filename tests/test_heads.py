@@ -1,0 +1,174 @@
+"""Head-blocked (head-matched) maps: the runtime against a block-diagonal formula, the fit's exact case, the format."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvbridge import Mapper, load_model
+from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from kvbridge.bench import map_flops
+from kvbridge.errors import ArtifactError, InputError
+from kvbridge.fit import FitConfig, fit_mapper
+from kvbridge.hashing import sha256_file
+from kvbridge.mapper import KINDS, MapperConfig, check_mapper
+from kvbridge.models import prefill_content
+from kvbridge.texts import read_texts
+
+BASE = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=5, recompute=0.0, hold_back=4)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    source, target, texts = tiny_pair
+    return load_model(source), load_model(target), read_texts(texts)
+
+
+@pytest.fixture(scope="module")
+def blocked(models):
+    torch.manual_seed(0)
+    return fit_mapper(*models, FitConfig(**BASE, head_blocks=2), progress=False)
+
+
+def mapped(mapper, source_model, ids):
+    keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
+    return mapper.map(keys, values)
+
+
+def block_diagonal(weight: torch.Tensor, sources: tuple[int, ...], source_heads: int, head_dim: int,
+                   target_features: int) -> torch.Tensor:
+    """The dense (F_in, Ft) map a head-blocked weight (n, F_in / n, Ft / n) stands for, from the layout's
+    definition: input row (source layer s, head h, dim d) = s·Hs·D + h·D + d; block g holds heads
+    [g·Hs/n, (g+1)·Hs/n) of each selected layer, layer by layer, and the target's g-th run of Ft / n outputs."""
+    n = weight.shape[0]
+    per = source_heads // n
+    dense = torch.zeros(len(sources) * source_heads * head_dim, target_features)
+    width = target_features // n
+    for g in range(n):
+        rows = [s * source_heads * head_dim + h * head_dim + d
+                for s in range(len(sources)) for h in range(g * per, (g + 1) * per) for d in range(head_dim)]
+        dense[rows, g * width : (g + 1) * width] = weight[g]
+    return dense
+
+
+def test_a_head_blocked_map_is_its_block_diagonal_full_map(models, blocked):
+    source = models[0]
+    config = blocked.config
+    assert config.heads and config.levers  # the lever's layer keeps its full map, the others are blocked
+    lever_layers = {v.layer for v in config.levers}
+    assert all(config.blocks(k, l) == (1 if l in lever_layers else 2) for k in KINDS for l in range(3))
+    dense = Mapper(replace(config, heads={}), _dense(blocked))
+    ids = torch.randint(4, 300, (2, 40))
+    for a, b in zip(sum(mapped(dense, source, ids), []), sum(mapped(blocked, source, ids), [])):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    full = map_flops(dense, 1)
+    saved = sum(2 * config.features(k, l).width(config.source.kv_features) * config.target.kv_features / 2
+                for k in KINDS for l in range(3) if config.blocks(k, l) > 1)
+    assert map_flops(blocked, 1) == pytest.approx(full - saved)  # a blocked layer costs 1/n of its full map
+
+
+def test_head_matched_fit_recovers_a_map_that_is_head_matched(models):
+    """Exact case: the source mapped onto itself is head-matched (head h → head h), so two head blocks lose
+    nothing: held-out R² of the head-blocked map is that of the full map, near 1."""
+    source, _, texts = models
+    torch.manual_seed(0)
+    plain = dict(BASE, lags=(0,), lever_inputs="same", mlp_hidden=0)
+    full = fit_mapper(source, source, texts, FitConfig(**plain), progress=False)
+    matched = fit_mapper(source, source, texts, FitConfig(**plain, head_blocks=2), progress=False)
+    assert matched.config.heads == {k: (2, 2) for k in KINDS}
+    for kind in KINDS:
+        for a, b in zip(full.config.fit[f"{kind}_r2_heldout"], matched.config.fit[f"{kind}_r2_heldout"]):
+            assert b > 0.99 and b == pytest.approx(a, abs=2e-3)
+
+
+def test_a_head_blocked_map_round_trips_and_its_fields_are_checked(models, blocked, tmp_path):
+    blocked.save_pretrained(tmp_path / "m")
+    data = json.loads((tmp_path / "m" / "mapper.json").read_text())
+    assert data["format_version"] == 5 and data["heads"] == {k: list(v) for k, v in blocked.config.heads.items()}
+    assert data["fit"]["settings"]["head_blocks"] == 2
+    loaded = Mapper.from_pretrained(str(tmp_path / "m"))
+    ids = torch.randint(4, 300, (1, 30))
+    for a, b in zip(sum(mapped(blocked, models[0], ids), []), sum(mapped(loaded, models[0], ids), [])):
+        assert torch.equal(a, b)
+    half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
+    assert mapped(half, models[0], ids)[0][0].dtype == torch.bfloat16
+    with pytest.raises(ArtifactError, match="version 5"):
+        MapperConfig.from_dict(dict(data, format_version=4))
+    lever = blocked.config.levers[0]
+    on_lever = {k: [2 if (k == lever.kind and l == lever.layer) else n for l, n in enumerate(v)]
+                for k, v in data["heads"].items()}
+    for bad in (on_lever, {k: [3] * 3 for k in KINDS}, {k: [0] * 3 for k in KINDS}):
+        with pytest.raises(ArtifactError):
+            MapperConfig.from_dict(dict(data, heads=bad))
+    # heads decide what the weights compute: an edit with resealed checksums still fails verification
+    edited = tmp_path / "edited"
+    shutil.copytree(tmp_path / "m", edited)
+    data["heads"] = {k: [1 if n == 2 else n for n in v] for k, v in data["heads"].items()}
+    (edited / CONFIG_FILE).write_text(json.dumps(data))
+    (edited / CHECKSUMS_FILE).write_text("".join(f"{sha256_file(edited / n)}  {n}\n"
+                                                 for n in (CONFIG_FILE, WEIGHTS_FILE)))
+    assert check_mapper(edited)
+    with pytest.raises(ArtifactError):
+        Mapper.from_pretrained(str(edited))
+
+
+def test_head_block_options_are_checked(models):
+    for bad in (dict(head_blocks=1), dict(head_blocks=2, rank=4), dict(head_blocks=2, rank_flops=0.5),
+                dict(head_blocks="2")):
+        with pytest.raises(InputError):
+            FitConfig(**bad)
+    with pytest.raises(InputError, match="divide both models' KV heads"):  # 2 and 4 KV heads: 4 does not divide 2
+        fit_mapper(*models, FitConfig(**BASE, head_blocks=4), progress=False)
+
+
+def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(models, blocked):
+    """A head-blocked map costs 1/n of the full one at the Ministral-3 geometry too, and the frontier's real-geometry
+    limit of a head-blocked point is the plan's for the same blocks (a head-matched one: one block per head there)."""
+    from kvbridge.bench import path_flops, prefill_flops
+    from kvbridge.bench_real import _published_infos, published_config
+    from kvbridge.frontier import real_flop_limit
+    from kvbridge.transfer import Bridge
+
+    infos, configs = _published_infos()
+    pair = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
+    plain, matched = published_config(*pair, levers=False), published_config(*pair, levers=False, head_blocks=8)
+    assert map_flops(matched, 1) == pytest.approx(map_flops(plain, 1) / 8)
+    bridge = Bridge(models[0], models[1], blocked)
+    real = published_config(*pair, levers=True, source_hidden=configs["ministral3-3b-text"].hidden_size,
+                            head_blocks=2)  # 2 of the tiny source's 2 heads, but not of the target's 4: 2 blocks
+    src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
+    expected = prefill_flops(tgt, 1024, 1) / path_flops(src, tgt, real, 1024, bridge.hold_back, bridge.recompute,
+                                                        bridge.sink, bridge.recompute_by)
+    assert real_flop_limit(bridge, 1024) == pytest.approx(expected)
+    full = Mapper(replace(blocked.config, heads={}), _dense(blocked))
+    assert expected > real_flop_limit(Bridge(models[0], models[1], full), 1024)
+
+
+def _dense(mapper):
+    weights = dict(mapper.weights)
+    c = mapper.config
+    for kind in KINDS:
+        for layer in range(c.target.num_layers):
+            if c.blocks(kind, layer) > 1:
+                weights[f"{kind}.{layer}.weight"] = block_diagonal(
+                    weights[f"{kind}.{layer}.weight"], c.selection[kind][layer], c.source.num_kv_heads,
+                    c.source.head_dim, c.target.kv_features)
+    return weights
+
+
+def test_fit_command_writes_a_head_matched_map_and_refuses_blocks_that_do_not_divide(tiny_pair, tmp_path, capsys):
+    from conftest import FAST_FIT
+
+    from kvbridge.cli import main
+
+    source, target, texts = tiny_pair
+    args = ["fit", "--source", source, "--target", target, "--texts", texts, *FAST_FIT]
+    assert main([*args, "--head-blocks", "4", "--out", str(tmp_path / "bad")]) != 0
+    err = capsys.readouterr().err
+    assert "divide both models' KV heads" in err and "Traceback" not in err and not (tmp_path / "bad").exists()
+    assert main([*args, "--head-blocks", "2", "--out", str(tmp_path / "m")]) == 0
+    assert Mapper.from_pretrained(str(tmp_path / "m")).config.heads
