@@ -24,7 +24,8 @@ length curriculum. Each model runs six stages, seeded:
    position past 256 — and the ``long`` stage started from there lost copying again (16 % -> 10 % in 150 steps,
    recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions cheaply.
 6. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
-   and 2,048 in turn), spans drawn from the 3,072 most frequent tokens and recurring anywhere later in the row.
+   and 2,048 in turn), spans drawn from the 1,024 most frequent tokens growing to 3,072 as pure repeats are copied,
+   recurring anywhere later in the row, pure repeats at the recall stage's 35 %.
 
 Training runs under bfloat16 autocast (``--autocast``; about 1.4× faster on this CPU; weights and optimizer state
 stay float32). Every ``--save-every`` steps the stage's whole loop state is written to ``--work`` (atomically),
@@ -118,11 +119,14 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
         steps, lr = args.stretch_steps, args.long_lr
         seconds = train(model, rows, steps, lr, args.batch, lambda p: CONTINUE_MIX, probe_long,
                         positions=skip_positions(POSITIONS), **common)
-    else:
-        rows = Rows(train_stream, spans, seed, alphabet=len(spans), early=512)
-        mix = dict(LONG_MIX, random=0.35)
+    else:  # the copy curriculum again at length: the alphabet starts at the 1,024 it knows and grows to 3,072 as
+        # pure repeats are copied; pure rows keep the recall stage's share (at the first family's 10 %, a long stage
+        # from the recall stage's model lost copying: 16 % -> 10 % in 150 steps)
+        rows = Rows(train_stream, spans, seed, alphabet=len(frequent), early=512)
+        mix = dict(LONG_MIX, pure=CONTINUE_MIX["pure"], random=0.35)
         steps, lr = args.long_steps, args.long_lr
-        seconds = train(model, rows, steps, lr, 4, lambda p: mix, probe_long, shapes=shapes_for(steps), **common)
+        seconds = train(model, rows, steps, lr, 4, lambda p: mix, probe_long, shapes=shapes_for(steps),
+                        grow_after=COPY_GROW_AFTER, **common)
     return {"steps": steps, "lr": lr, "seed": seed, "seconds": round(seconds), "alphabet": rows.alphabet}
 
 
