@@ -71,18 +71,20 @@ def test_a_head_blocked_map_is_its_block_diagonal_full_map(models, blocked):
     assert map_flops(blocked, 1) == pytest.approx(full - saved)  # a blocked layer costs 1/n of its full map
 
 
-def test_head_matched_fit_recovers_a_map_that_is_head_matched(models):
-    """Exact case: the source mapped onto itself is head-matched (head h → head h), so two head blocks lose
-    nothing: held-out R² of the head-blocked map is that of the full map, near 1."""
-    source, _, texts = models
+@pytest.mark.parametrize("role, blocks", [(0, 2), (1, 2), (1, 4)])  # 1 head a block (source), 2 and 1 (target)
+def test_head_matched_fit_recovers_a_map_that_is_head_matched(models, role, blocks):
+    """Exact case: a model mapped onto itself is head-matched (head h → head h), so head blocks lose nothing:
+    held-out R² of the head-blocked map, measured through the run-time map, is near 1 and no worse than the full
+    map's (a grouping of heads in the fit that the run time did not share would lose most of it)."""
+    model, texts = models[role], models[2]
     torch.manual_seed(0)
     plain = dict(BASE, lags=(0,), lever_inputs="same", mlp_hidden=0)
-    full = fit_mapper(source, source, texts, FitConfig(**plain), progress=False)
-    matched = fit_mapper(source, source, texts, FitConfig(**plain, head_blocks=2), progress=False)
-    assert matched.config.heads == {k: (2, 2) for k in KINDS}
+    full = fit_mapper(model, model, texts, FitConfig(**plain), progress=False)
+    matched = fit_mapper(model, model, texts, FitConfig(**plain, head_blocks=blocks), progress=False)
+    assert matched.config.heads == {k: (blocks,) * model.info.num_layers for k in KINDS}
     for kind in KINDS:
         for a, b in zip(full.config.fit[f"{kind}_r2_heldout"], matched.config.fit[f"{kind}_r2_heldout"]):
-            assert b > 0.99 and b == pytest.approx(a, abs=2e-3)
+            assert b > 0.98 and b > a - 2e-3  # nothing lost (fewer weights can even generalize a little better)
 
 
 def test_a_head_blocked_map_round_trips_and_its_fields_are_checked(models, blocked, tmp_path):

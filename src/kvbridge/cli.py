@@ -788,6 +788,15 @@ def _cmd_inspect(args) -> int:
         for kind in ("key", "value"):
             fitted, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
             print(f"R² {kind:6s} fit {_number(fitted)}" + (f", held-out {_number(held)}" if held is not None else ""))
+    from .bench import map_flops
+
+    print(f"map       {map_flops(config, 1) / 1e6:,.3f} MFLOP per token (keys and values)")
+    for kind in ("key", "value"):  # fast maps: reduced rank, head blocks (1: the full map)
+        if config.ranks.get(kind):
+            print(f"rank      {kind}s per target layer (0: full): {_clip(str(list(config.ranks[kind])), 100)}")
+        if config.heads.get(kind):
+            print(f"heads     {kind}s per target layer, blocks of KV heads (1: full): "
+                  f"{_clip(str(list(config.heads[kind])), 80)}")
     for v in config.levers:
         print(f"lever     {v.kind}s of target layer {v.layer}: {'+'.join(v.inputs) or v.kind + 's'} at lags "
               f"{','.join(map(str, v.lags))}" + (f", residual MLP {v.hidden}" if v.hidden else ""))

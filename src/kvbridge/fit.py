@@ -319,31 +319,41 @@ def solve_heads(stats: CalibrationStats, source_info, target_info, selection, la
                 weights: dict[str, torch.Tensor], report: dict, device: str | torch.device | None = None) -> None:
     """Head-blocked ridge maps for ``layers`` ((kind, target layer) pairs), in place of their full ones: block g
     of the target layer's KV heads from block g of each selected source layer's heads, each block its own ridge
-    solve on its rows and columns of the fit's statistics. Updates ``weights`` (``(n, F_in / n, Ft / n)``) and
-    the in-sample R² in ``report``."""
+    solve on its rows and columns of the fit's statistics (layers reading the same source layers share each
+    block's factor). Updates ``weights`` (``(n, F_in / n, Ft / n)``) and the in-sample R² and ridge in ``report``."""
     fs, ft = source_info.kv_features, target_info.kv_features
     width_s, width_t = fs // blocks, ft // blocks  # one block's features in one source layer / the target layer
-    for kind, l in layers:
+    for kind in KINDS:
         s: KVStats = getattr(stats, kind)
-        chosen = selection[kind][l]
-        ws, bias, sse, sst = [], torch.empty(ft, dtype=torch.float64), 0.0, 0.0
-        for g in range(blocks):
-            idx = torch.cat([torch.arange(src * fs + g * width_s, src * fs + (g + 1) * width_s) for src in chosen])
-            idx = idx.to(s.gram.device)
-            cols = slice(l * ft + g * width_t, l * ft + (g + 1) * width_t)
-            factor = ridge_factor(s.gram.index_select(0, idx).index_select(1, idx), ridge, device)
-            c = s.cross[:, cols].index_select(0, idx).to(factor.factor.device)
-            w = factor.solve(c)
-            block_sst = float(s.ssq_y[cols].sum())
-            sse += (1.0 - factor.r2(w, c, block_sst)) * block_sst
-            sst += block_sst
-            bias[g * width_t : (g + 1) * width_t] = (s.mean_y[cols].to(w.device)
-                                                    - s.mean_x.index_select(0, idx).to(w.device) @ w).cpu()
-            ws.append(w.float().cpu())
-            del factor
-        weights[f"{kind}.{l}.weight"] = torch.stack(ws).contiguous()
-        weights[f"{kind}.{l}.bias"] = bias.float().contiguous()
-        report[kind]["r2_fit"][l] = 1.0 - sse / sst if sst > 0 else float("nan")
+        by_selection: dict[tuple[int, ...], list[int]] = {}  # layers reading the same source layers share factors
+        for k, l in layers:
+            if k == kind:
+                by_selection.setdefault(selection[kind][l], []).append(l)
+        for chosen, targets in by_selection.items():
+            parts = {l: ([], torch.empty(ft, dtype=torch.float64), [0.0, 0.0], []) for l in targets}
+            for g in range(blocks):  # one factor per block, solved for every target layer of this selection
+                idx = torch.cat([torch.arange(src * fs + g * width_s, src * fs + (g + 1) * width_s)
+                                 for src in chosen]).to(s.gram.device)
+                factor = ridge_factor(s.gram.index_select(0, idx).index_select(1, idx), ridge, device)
+                mean_x = s.mean_x.index_select(0, idx)
+                for l in targets:
+                    ws, bias, errors, ridges = parts[l]
+                    cols = slice(l * ft + g * width_t, l * ft + (g + 1) * width_t)
+                    c = s.cross[:, cols].index_select(0, idx).to(factor.factor.device)
+                    w = factor.solve(c)
+                    block_sst = float(s.ssq_y[cols].sum())
+                    errors[0] += (1.0 - factor.r2(w, c, block_sst)) * block_sst
+                    errors[1] += block_sst
+                    ridges.append(factor.relative)
+                    bias[g * width_t : (g + 1) * width_t] = (s.mean_y[cols].to(w.device)
+                                                            - mean_x.to(w.device) @ w).cpu()
+                    ws.append(w.float().cpu())
+                del factor
+            for l, (ws, bias, (sse, sst), ridges) in parts.items():
+                weights[f"{kind}.{l}.weight"] = torch.stack(ws).contiguous()
+                weights[f"{kind}.{l}.bias"] = bias.float().contiguous()
+                report[kind]["r2_fit"][l] = 1.0 - sse / sst if sst > 0 else float("nan")
+                report[kind]["ridge_used"][l] = max(ridges)
         report[kind]["r2_fit_mean"] = sum(report[kind]["r2_fit"]) / len(report[kind]["r2_fit"])
 
 

@@ -615,10 +615,19 @@ def head_blocks(x: torch.Tensor, sources: int, blocks: int) -> torch.Tensor:
     return x.reshape(rows, sources, blocks, -1).permute(2, 0, 1, 3).reshape(blocks, rows, -1)
 
 
-def head_blocked_matmul(group: GemmGroup, kv: torch.Tensor, positions, past: int, out: torch.Tensor) -> None:
-    """A head-blocked layer (lag 0 of its own kind): ``out`` (T·B, Ft) = per block g, x_g @ W_g, then + bias."""
-    x = build_features(kv, None, group.features, group.sources, positions, past)
-    z = torch.bmm(head_blocks(x.to(group.weight.dtype), len(group.features.sources), group.blocks), group.weight)
+def head_blocked_matmul(group: GemmGroup, kv: torch.Tensor, positions, past: int, out: torch.Tensor,
+                        shared: dict | None = None) -> None:
+    """A head-blocked layer (lag 0 of its own kind): ``out`` (T·B, Ft) = per block g, x_g @ W_g, then + bias.
+    ``shared``: block-major features already built in this call, by (source layers, blocks); the layers that
+    read the same ones (every layer, without ``--top-k``) share one copy."""
+    key = (group.features.sources, group.blocks)
+    blocks = None if shared is None else shared.get(key)
+    if blocks is None:
+        x = build_features(kv, None, group.features, group.sources, positions, past)
+        blocks = head_blocks(x.to(group.weight.dtype), len(group.features.sources), group.blocks)
+        if shared is not None:
+            shared[key] = blocks
+    z = torch.bmm(blocks, group.weight)
     out.unflatten(1, (group.blocks, -1)).copy_(z.transpose(0, 1))
     out.add_(group.bias)
 
@@ -890,6 +899,7 @@ class Mapper:
     def _map_kind(self, kind: str, kv: torch.Tensor, state, positions, past: int, out: torch.Tensor) -> None:
         """Every GEMM group of ``kind``: x @ W + b (+ the residual MLP) into its columns of ``out`` (T·B, Lt·Ft)."""
         ft = self.config.target.kv_features
+        shared: dict = {}  # head-blocked layers' block-major features, built once per selection
         for g in self.groups[kind]:
             if g.ups is not None:  # factored: z = x @ [down_1 … down_n], then each layer's z_i @ up_i + b_i
                 z = features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight)
@@ -901,7 +911,7 @@ class Mapper:
                     col += up.shape[0]
                 continue
             if g.blocks > 1:
-                head_blocked_matmul(g, kv, positions, past, out[:, g.slot * ft : (g.slot + 1) * ft])
+                head_blocked_matmul(g, kv, positions, past, out[:, g.slot * ft : (g.slot + 1) * ft], shared)
                 continue
             y = out[:, g.slot * ft : (g.slot + len(g.targets)) * ft]
             features_matmul(g.bias, kv, state, g.features, g.sources, positions, past, g.weight, out=y)

@@ -76,8 +76,9 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
     for i, cont in enumerate(continuations):
         ctx = contexts[i // per_context]
         if len(ctx) + len(cont) > bridge.max_positions:
-            raise InputError(f"context {i} plus its continuation has {len(ctx) + len(cont)} tokens, more than "
-                             f"the {bridge.max_positions} positions these models support. Truncate the context.")
+            raise InputError(f"context {i // per_context} plus its continuation has {len(ctx) + len(cont)} tokens, "
+                             f"more than the {bridge.max_positions} positions these models support. Truncate the "
+                             "context.")
     longest = max(len(c) for c in continuations)
     ids, mask = bridge.pad(contexts)
     # a shared prefix is completed (any selective recompute run) before it is copied to its continuations

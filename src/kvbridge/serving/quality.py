@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 
+from ..errors import InputError
 from ..scoring import Score
 from .config import HOLD_BACK, PARAM, ServeConfig
 
@@ -28,6 +29,9 @@ class EngineScorer:
 
         from . import mapped_request
 
+        if len(contexts) * per_context != len(continuations):
+            raise InputError(f"{len(contexts)} contexts need {len(contexts) * per_context} continuations "
+                             f"({per_context} each), not {len(continuations)}.")
         contexts = [c for c in contexts for _ in range(per_context)]  # one request per continuation, as before
         out = []
         for i in range(0, len(contexts), self.batch):
