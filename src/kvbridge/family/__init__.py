@@ -28,7 +28,7 @@ FAMILIES = {"default": CHECKPOINTS, "deep": DEEP}  # the deep family's checkpoin
 
 def _require(path: Path, name: str = "default") -> Path:
     if not path.exists():
-        how = ("train it with `python -m kvbridge.family.train_deep` (resumable; about 2 hours on 2 CPU cores)"
+        how = ("train it with `python -m kvbridge.family.train_deep` (resumable; several hours on 2 CPU cores)"
                if name == "deep" else "retrain it with `python -m kvbridge.family.train`")
         raise ModelLoadError(f"the embedded family file {path} is missing from this installation; reinstall kvbridge "
                              f"(`pip install -e .` from a full clone), or {how}.")
