@@ -19,10 +19,12 @@ length curriculum. Each model runs seven stages, seeded:
    (after ``induce`` the deep target copied pure repeats but recalled a random span inside real text 11 % of the
    time; a ``long`` stage started from there stayed at 1-2 % recall and lost copying, 54 % -> 9 %, in 400 steps).
 5. ``stretch``: the ``recall`` stage's rows again, with position ids that skip ahead at a random cut
-   (:func:`~kvbridge.family.train.skip_positions`, up to 2,048): after ``recall`` the deep target copied a span
-   200 tokens back at positions below 256 (26 %) but not at positions 272-472 (0.6 %) — it had never seen a
-   position past 256 — and the ``long`` stage started from there lost copying again (16 % -> 10 % in 150 steps,
-   recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions cheaply.
+   (:func:`~kvbridge.family.train.skip_positions`, up to 2,048): after ``recall`` the deep target recalled a span
+   200 tokens back in 256-token rows (64 %) but not in 512-token rows (0.4 %; :func:`position_probe`, ``--probe``)
+   — it had never seen a position past 256 — and the ``long`` stage started from there lost copying again (16 %
+   -> 10 % in 150 steps, recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions
+   cheaply; after ``stretch`` and ``long`` the target recalled 72 % at 512 tokens, 71 / 53 / 25 % at 1,024 tokens
+   200 / 450 / 950 back (the source 65 %, 70 / 29 / 3 %).
 6. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
    and 2,048 in turn), spans drawn from the 1,024 most frequent tokens growing to 3,072 as pure repeats are copied,
    recurring anywhere later in the row, pure repeats at the recall stage's 35 %.
@@ -63,6 +65,7 @@ from .train import (
     frequent_tokens,
     log,
     ministral3,
+    recall_accuracy,
     recall_rows,
     skip_positions,
     token_stream,
@@ -88,6 +91,29 @@ def _write_json(data: dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+PROBES = ((256, 200), (512, 200), (1024, 200), (1024, 450), (1024, 950))  # (row length, span distance)
+
+
+def position_probe(model, held_stream: torch.Tensor, frequent: list[int], rows: int = 16, seed: int = 0) -> dict:
+    """Recall of a 16-token random span ``distance`` tokens back, the repeat ending 24 tokens before the row's end,
+    per (row length, distance) of :data:`PROBES`: a model that never saw a position past 256 fails at 512 even
+    at the same distance."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for seq, distance in PROBES:
+        ids, starts = [], []
+        for _ in range(rows):
+            start = int(torch.randint(0, len(held_stream) - seq, (1,), generator=g))
+            row = torch.cat([torch.tensor([1]), held_stream[start : start + seq - 1]])
+            span = torch.tensor(frequent)[torch.randperm(len(frequent), generator=g)[:16]]
+            b = seq - 40
+            row[b - distance : b - distance + 16], row[b : b + 16] = span, span
+            ids.append(row)
+            starts.append(b)
+        out[f"{seq} tokens, {distance} back"] = round(recall_accuracy(model, torch.stack(ids), starts), 4)
+    return out
 
 
 def polish_shapes(step: int) -> tuple[int, int]:
@@ -169,6 +195,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-autocast", dest="autocast", action="store_false", help="train in plain float32")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--probe", nargs="+", metavar="MODEL",
+                        help="print each checkpoint folder's recall by position (position_probe) and exit")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -186,6 +214,11 @@ def main(argv=None) -> None:
                          "(another Python version?); the deep family would not read the same corpus.")
     held_stream = token_stream(tokenizer, splits["heldout"])
     frequent = frequent_tokens(train_stream)
+    if args.probe:
+        for folder in args.probe:
+            probe = position_probe(Ministral3ForCausalLM.from_pretrained(folder).float().eval(), held_stream, frequent)
+            print(folder, json.dumps(probe))
+        return
     spans = frequent_tokens(train_stream, 3072)
     streams = (train_stream, frequent, spans, recall_rows(held_stream, frequent, 32),
                recall_rows(held_stream, frequent, 16, seq=1024))
