@@ -92,6 +92,28 @@ def tiny_pair(tmp_path_factory):
     return save_model(source, tokenizer, root / "source"), save_model(target, tokenizer, root / "target"), str(texts)
 
 
+@pytest.fixture(scope="module")
+def tiny_models(tiny_pair):
+    """The tiny pair loaded: (source, target, texts)."""
+    from kvbridge import load_model
+    from kvbridge.texts import read_texts
+
+    source, target, texts = tiny_pair
+    return load_model(source), load_model(target), read_texts(texts)
+
+
+# FitConfig settings that fit the tiny pair in seconds, levers on, no recompute (the fast-map tests' base)
+TINY_FIT = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=5, recompute=0.0, hold_back=4)
+
+
+def mapped(mapper, source_model, ids):
+    """``mapper``'s target keys and values from ``source_model``'s cache of ``ids`` (no padding)."""
+    from kvbridge.models import prefill_content
+
+    keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
+    return mapper.map(keys, values)
+
+
 # fit options that make a mapper of the tiny pair in seconds, with the default levers on
 FAST_FIT = ["--num-texts", "8", "--seq-len", "64", "--heldout-texts", "2", "--mlp-steps", "30", "--tune-steps", "10",
             "--hold-back", "4", "--quiet"]

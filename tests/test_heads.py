@@ -8,35 +8,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import TINY_FIT, mapped
 
-from kvbridge import Mapper, load_model
+from kvbridge import Mapper
 from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
 from kvbridge.bench import map_flops
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.hashing import sha256_file
 from kvbridge.mapper import KINDS, MapperConfig, check_mapper
-from kvbridge.models import prefill_content
-from kvbridge.texts import read_texts
-
-BASE = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=5, recompute=0.0, hold_back=4)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair):
-    source, target, texts = tiny_pair
-    return load_model(source), load_model(target), read_texts(texts)
-
-
-@pytest.fixture(scope="module")
-def blocked(models):
+def blocked(tiny_models):
     torch.manual_seed(0)
-    return fit_mapper(*models, FitConfig(**BASE, head_blocks=2), progress=False)
-
-
-def mapped(mapper, source_model, ids):
-    keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
-    return mapper.map(keys, values)
+    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT, head_blocks=2), progress=False)
 
 
 def block_diagonal(weight: torch.Tensor, sources: tuple[int, ...], source_heads: int, head_dim: int,
@@ -55,8 +41,8 @@ def block_diagonal(weight: torch.Tensor, sources: tuple[int, ...], source_heads:
     return dense
 
 
-def test_a_head_blocked_map_is_its_block_diagonal_full_map(models, blocked):
-    source = models[0]
+def test_a_head_blocked_map_is_its_block_diagonal_full_map(tiny_models, blocked):
+    source = tiny_models[0]
     config = blocked.config
     assert config.heads and config.levers  # the lever's layer keeps its full map, the others are blocked
     lever_layers = {v.layer for v in config.levers}
@@ -72,13 +58,13 @@ def test_a_head_blocked_map_is_its_block_diagonal_full_map(models, blocked):
 
 
 @pytest.mark.parametrize("role, blocks", [(0, 2), (1, 2), (1, 4)])  # 1 head a block (source), 2 and 1 (target)
-def test_head_matched_fit_recovers_a_map_that_is_head_matched(models, role, blocks):
+def test_head_matched_fit_recovers_a_map_that_is_head_matched(tiny_models, role, blocks):
     """Exact case: a model mapped onto itself is head-matched (head h → head h), so head blocks lose nothing:
     held-out R² of the head-blocked map, measured through the run-time map, is near 1 and no worse than the full
     map's (a grouping of heads in the fit that the run time did not share would lose most of it)."""
-    model, texts = models[role], models[2]
+    model, texts = tiny_models[role], tiny_models[2]
     torch.manual_seed(0)
-    plain = dict(BASE, lags=(0,), lever_inputs="same", mlp_hidden=0)
+    plain = dict(TINY_FIT, lags=(0,), lever_inputs="same", mlp_hidden=0)
     full = fit_mapper(model, model, texts, FitConfig(**plain), progress=False)
     matched = fit_mapper(model, model, texts, FitConfig(**plain, head_blocks=blocks), progress=False)
     assert matched.config.heads == {k: (blocks,) * model.info.num_layers for k in KINDS}
@@ -87,17 +73,17 @@ def test_head_matched_fit_recovers_a_map_that_is_head_matched(models, role, bloc
             assert b > 0.98 and b > a - 2e-3  # nothing lost (fewer weights can even generalize a little better)
 
 
-def test_a_head_blocked_map_round_trips_and_its_fields_are_checked(models, blocked, tmp_path):
+def test_a_head_blocked_map_round_trips_and_its_fields_are_checked(tiny_models, blocked, tmp_path):
     blocked.save_pretrained(tmp_path / "m")
     data = json.loads((tmp_path / "m" / "mapper.json").read_text())
     assert data["format_version"] == 5 and data["heads"] == {k: list(v) for k, v in blocked.config.heads.items()}
     assert data["fit"]["settings"]["head_blocks"] == 2
     loaded = Mapper.from_pretrained(str(tmp_path / "m"))
     ids = torch.randint(4, 300, (1, 30))
-    for a, b in zip(sum(mapped(blocked, models[0], ids), []), sum(mapped(loaded, models[0], ids), [])):
+    for a, b in zip(sum(mapped(blocked, tiny_models[0], ids), []), sum(mapped(loaded, tiny_models[0], ids), [])):
         assert torch.equal(a, b)
     half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
-    assert mapped(half, models[0], ids)[0][0].dtype == torch.bfloat16
+    assert mapped(half, tiny_models[0], ids)[0][0].dtype == torch.bfloat16
     with pytest.raises(ArtifactError, match="version 5"):
         MapperConfig.from_dict(dict(data, format_version=4))
     lever = blocked.config.levers[0]
@@ -118,16 +104,16 @@ def test_a_head_blocked_map_round_trips_and_its_fields_are_checked(models, block
         Mapper.from_pretrained(str(edited))
 
 
-def test_head_block_options_are_checked(models):
+def test_head_block_options_are_checked(tiny_models):
     for bad in (dict(head_blocks=1), dict(head_blocks=2, rank=4), dict(head_blocks=2, rank_flops=0.5),
                 dict(head_blocks="2")):
         with pytest.raises(InputError):
             FitConfig(**bad)
     with pytest.raises(InputError, match="divide both models' KV heads"):  # 2 and 4 KV heads: 4 does not divide 2
-        fit_mapper(*models, FitConfig(**BASE, head_blocks=4), progress=False)
+        fit_mapper(*tiny_models, FitConfig(**TINY_FIT, head_blocks=4), progress=False)
 
 
-def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(models, blocked):
+def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(tiny_models, blocked):
     """A head-blocked map costs 1/n of the full one at the Ministral-3 geometry too, and the frontier's real-geometry
     limit of a head-blocked point is the plan's for the same blocks (a head-matched one: one block per head there)."""
     from kvbridge.bench import path_flops, prefill_flops
@@ -139,7 +125,7 @@ def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(models, blocked
     pair = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
     plain, matched = published_config(*pair, levers=False), published_config(*pair, levers=False, head_blocks=8)
     assert map_flops(matched, 1) == pytest.approx(map_flops(plain, 1) / 8)
-    bridge = Bridge(models[0], models[1], blocked)
+    bridge = Bridge(tiny_models[0], tiny_models[1], blocked)
     real = published_config(*pair, levers=True, source_hidden=configs["ministral3-3b-text"].hidden_size,
                             head_blocks=2)  # 2 of the tiny source's 2 heads, but not of the target's 4: 2 blocks
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
@@ -147,7 +133,7 @@ def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(models, blocked
                                                         bridge.sink, bridge.recompute_by)
     assert real_flop_limit(bridge, 1024) == pytest.approx(expected)
     full = Mapper(replace(blocked.config, heads={}), _dense(blocked))
-    assert expected > real_flop_limit(Bridge(models[0], models[1], full), 1024)
+    assert expected > real_flop_limit(Bridge(tiny_models[0], tiny_models[1], full), 1024)
 
 
 def _dense(mapper):

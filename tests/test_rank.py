@@ -7,41 +7,27 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import TINY_FIT, mapped
 
-from kvbridge import Mapper, load_model
+from kvbridge import Mapper
 from kvbridge.bench import map_flops
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.mapper import KINDS, layer_features
-from kvbridge.texts import read_texts
-
-BASE = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_steps=5, recompute=0.0, hold_back=4)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_pair):
-    source, target, texts = tiny_pair
-    return load_model(source), load_model(target), read_texts(texts)
-
-
-@pytest.fixture(scope="module")
-def full(models):
+def full(tiny_models):
     torch.manual_seed(0)
-    return fit_mapper(*models, FitConfig(**BASE), progress=False)
+    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT), progress=False)
 
 
-def mapped(mapper, source_model, ids):
-    from kvbridge.models import prefill_content
 
-    keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
-    return mapper.map(keys, values)
-
-
-def test_a_factored_map_at_full_rank_is_the_full_map(models, full):
+def test_a_factored_map_at_full_rank_is_the_full_map(tiny_models, full):
     """D U = W V Vᵀ = W when V is the whole eigenbasis, and the projected bias is the bias."""
     from kvbridge import rank as reduced
 
-    source, target, texts = models
+    source, target, texts = tiny_models
     pairs = reduced.factorable(full.config.levers, full.config.target.num_layers)
     assert pairs and all((kind, layer) not in {(v.kind, v.layer) for v in full.config.levers} for kind, layer in pairs)
     ft = full.config.target.kv_features
@@ -58,9 +44,9 @@ def test_a_factored_map_at_full_rank_is_the_full_map(models, full):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_rank_choice_measures_what_the_mapper_does_and_keeps_its_budget(models, full):
+def test_rank_choice_measures_what_the_mapper_does_and_keeps_its_budget(tiny_models, full):
     torch.manual_seed(0)
-    m = fit_mapper(*models, FitConfig(**BASE, rank_flops=0.3), progress=False)
+    m = fit_mapper(*tiny_models, FitConfig(**TINY_FIT, rank_flops=0.3), progress=False)
     choice = m.config.fit["rank_choice"]
     assert choice["criterion"] == "held-out" and m.config.factored
     for kind in KINDS:  # the curve's R² at the chosen rank is the R² the mapper's own hot path measures held out
@@ -77,19 +63,19 @@ def test_rank_choice_measures_what_the_mapper_does_and_keeps_its_budget(models, 
     assert spent <= 0.3 * whole and map_flops(m, 1) < map_flops(full, 1)
 
 
-def test_a_fixed_rank_round_trips_and_older_formats_refuse_it(models, tmp_path):
+def test_a_fixed_rank_round_trips_and_older_formats_refuse_it(tiny_models, tmp_path):
     torch.manual_seed(0)
-    m = fit_mapper(*models, FitConfig(**BASE, rank=4), progress=False)
+    m = fit_mapper(*tiny_models, FitConfig(**TINY_FIT, rank=4), progress=False)
     assert all(r in (0, 4) for r in m.config.ranks["key"]) and any(m.config.ranks["key"])
     m.save_pretrained(tmp_path / "m")
     data = json.loads((tmp_path / "m" / "mapper.json").read_text())
     assert data["format_version"] == 4 and data["ranks"] == {k: list(v) for k, v in m.config.ranks.items()}
     loaded = Mapper.from_pretrained(str(tmp_path / "m"))
     ids = torch.randint(4, 300, (1, 30))
-    for a, b in zip(sum(mapped(m, models[0], ids), []), sum(mapped(loaded, models[0], ids), [])):
+    for a, b in zip(sum(mapped(m, tiny_models[0], ids), []), sum(mapped(loaded, tiny_models[0], ids), [])):
         assert torch.equal(a, b)
     half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
-    assert half.dtype == torch.bfloat16 and layer_features(mapped(half, models[0], ids)[0]).dtype == torch.bfloat16
+    assert half.dtype == torch.bfloat16 and layer_features(mapped(half, tiny_models[0], ids)[0]).dtype == torch.bfloat16
     from kvbridge.mapper import MapperConfig
 
     old = dict(data, format_version=3)
@@ -109,11 +95,11 @@ def test_rank_options_are_checked():
             FitConfig(**bad)
 
 
-def test_a_budget_below_rank_one_is_refused_and_in_sample_curves_are_r2(models):
+def test_a_budget_below_rank_one_is_refused_and_in_sample_curves_are_r2(tiny_models):
     torch.manual_seed(0)
     with pytest.raises(InputError, match="rank 1 in every factorable layer"):
-        fit_mapper(*models, FitConfig(**BASE, rank_flops=0.001), progress=False)
-    m = fit_mapper(*models, FitConfig(**dict(BASE, heldout_texts=0), rank_flops=0.3), progress=False)
+        fit_mapper(*tiny_models, FitConfig(**TINY_FIT, rank_flops=0.001), progress=False)
+    m = fit_mapper(*tiny_models, FitConfig(**dict(TINY_FIT, heldout_texts=0), rank_flops=0.3), progress=False)
     choice = m.config.fit["rank_choice"]
     assert choice["criterion"] == "in-sample" and 0 < choice["flops_share"] <= 0.3
     for layer in choice["layers"].values():  # the fit's R² of the full map, not a curve normalized to end at 1

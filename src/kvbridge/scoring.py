@@ -53,6 +53,15 @@ def score_plain(model, context: list[int], continuation: list[int]) -> Score:
     return score_row(log_probs(model(input_ids=ids).logits[0, len(context) - 1 : -1], "model"), continuation)
 
 
+def check_per_context(contexts: list, continuations: list, per_context: int) -> None:
+    """``per_context`` continuations follow each context (:func:`score_ids`), or one InputError says what is off."""
+    if not isinstance(per_context, int) or per_context < 1:
+        raise InputError(f"per_context must be a positive integer, not {per_context!r}.")
+    if len(contexts) * per_context != len(continuations):
+        raise InputError(f"{len(contexts)} contexts need {len(contexts) * per_context} continuations "
+                         f"({per_context} each), not {len(continuations)}.")
+
+
 @torch.no_grad()
 def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped",
               per_context: int = 1) -> list[Score]:
@@ -63,11 +72,7 @@ def score_ids(bridge, contexts: list[list[int]], continuations: list[list[int]],
     followed by that many consecutive continuations (``continuations[i * k : (i + 1) * k]`` after
     ``contexts[i]``, as multiple-choice items are); its prefix cache is built once and shared by them.
     """
-    if not isinstance(per_context, int) or per_context < 1:
-        raise InputError(f"per_context must be a positive integer, not {per_context!r}.")
-    if len(contexts) * per_context != len(continuations):
-        raise InputError(f"{len(contexts)} contexts need {len(contexts) * per_context} continuations "
-                         f"({per_context} each), not {len(continuations)}.")
+    check_per_context(contexts, continuations, per_context)
     if not contexts:
         raise InputError("no contexts given; nothing to score.")
     if any(len(c) == 0 for c in continuations):

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from ..errors import InputError
-from ..scoring import Score
+from ..scoring import Score, check_per_context
 from .config import HOLD_BACK, PARAM, ServeConfig
 
 
@@ -29,9 +28,7 @@ class EngineScorer:
 
         from . import mapped_request
 
-        if len(contexts) * per_context != len(continuations):
-            raise InputError(f"{len(contexts)} contexts need {len(contexts) * per_context} continuations "
-                             f"({per_context} each), not {len(continuations)}.")
+        check_per_context(contexts, continuations, per_context)
         contexts = [c for c in contexts for _ in range(per_context)]  # one request per continuation, as before
         out = []
         for i in range(0, len(contexts), self.batch):
