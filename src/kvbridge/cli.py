@@ -285,7 +285,8 @@ def _parser() -> argparse.ArgumentParser:
                          "cores); extended: also those that did not make it, for the record (hours); tuning: what "
                          "tuning on the target's output and the repeated spans each buy; values: what a lever on the "
                          "same layer's values buys (each about as long as full); deep: fast maps (top-k, reduced "
-                         "rank) against full ones; quick: a smoke test (default: full, deep with --family deep)")
+                         "rank, head-matched) against full ones; quick: a smoke test (default: full, deep with "
+                         "--family deep)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--at", type=int, default=None, metavar="TOKENS",
                     help="the context length the recommendation is made and headlined at, one of the grid's lengths "
