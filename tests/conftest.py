@@ -60,6 +60,24 @@ def build_tokenizer(directory, vocab_size: int = 320):
     return tokenizer
 
 
+def long_recall(pair, long_rows) -> tuple[float, float, float]:
+    """(target, source, target's floor) accuracy at recalling a random span stated ≥ 900 tokens earlier in
+    ``long_rows`` (the family task), for an embedded family's ``(source, target)``."""
+    from kvbridge.evaluate import frequent_ids, recall_items
+    from kvbridge.scoring import score_plain
+
+    source, target = pair
+    ctx, floor_ctx, cont = recall_items(long_rows, frequent_ids(long_rows, set(target.tokenizer.all_special_ids),
+                                                                1024))
+    assert min(len(c) for c in ctx) > 900 + 16  # the repeat starts ≥ 900 tokens after the early span
+
+    def accuracy(model, contexts):
+        scores = [score_plain(model, c, k) for c, k in zip(contexts, cont)]
+        return sum(s.correct for s in scores) / sum(s.tokens for s in scores)
+
+    return accuracy(target.model, ctx), accuracy(source.model, ctx), accuracy(target.model, floor_ctx)
+
+
 def ministral3_config(vocab: int, layers: int, hidden: int, kv_heads: int, head_dim: int, theta: float, **extra):
     from transformers import Ministral3Config
 

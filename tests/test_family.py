@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import long_recall
 
 from kvbridge import family
 from kvbridge.cli import main
@@ -174,20 +175,7 @@ def test_both_models_read_long_contexts_better_the_further_they_read(pair, long_
 
 
 def test_target_recalls_a_span_stated_900_tokens_earlier(pair, long_rows):
-    from kvbridge.evaluate import frequent_ids, recall_items
-    from kvbridge.scoring import score_plain
-
-    source, target = pair
-    alphabet = frequent_ids(long_rows, set(target.tokenizer.all_special_ids), 1024)
-    ctx, floor_ctx, cont = recall_items(long_rows, alphabet)
-    assert min(len(c) for c in ctx) > 900 + 16  # the repeat starts ≥ 900 tokens after the early span
-
-    def accuracy(model, contexts):
-        scores = [score_plain(model, c, k) for c, k in zip(contexts, cont)]
-        return sum(s.correct for s in scores) / sum(s.tokens for s in scores)
-
-    target_acc, source_acc = accuracy(target.model, ctx), accuracy(source.model, ctx)
-    floor = accuracy(target.model, floor_ctx)
+    target_acc, source_acc, floor = long_recall(pair, long_rows)
     # recorded on 48 documents: target 53 %, source 20 %, floor 0 %
     assert target_acc > floor + 0.3 and target_acc > source_acc + 0.15, (target_acc, source_acc, floor)
 
