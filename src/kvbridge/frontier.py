@@ -201,7 +201,26 @@ DEEP = FrontierConfig(
         Point("lean, head-matched + recompute 4% by span", fit=dict(LEAN_DEEP, head_blocks=4), runtime=SPANS[0.04]),
     ),
 )
-GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP, "quick": QUICK}
+# the deep family's lever points once more (run it with another --seed: the plain maps are closed-form ridge fits, the
+# same under any seed, so only the fits with residual MLPs and tuning are here), beside what might buy more retention
+# there: larger recompute shares, two source layers a map, and a lever that also reads the source's hidden state
+LEAN_DEEP_1 = dict(LEAN_DEEP, top_k=1, lever_top_k=1)
+DEEP_SPANS = {r: dict(recompute=r, recompute_by="logit", recompute_window=9) for r in (0.04, 0.08, 0.15)}
+DEEP_LEVERS = FrontierConfig(
+    fit=FIT,
+    points=(
+        Point("lean + recompute 4% by span", fit=LEAN_DEEP, runtime=DEEP_SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 8% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.08]),
+        Point("lean, top-k 1 + recompute 15% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.15]),
+        Point("lean, top-k 2 + recompute 4% by span", fit=dict(LEAN_DEEP, top_k=2, lever_top_k=2),
+              runtime=DEEP_SPANS[0.04]),
+        Point("lean + state, top-k 1 + recompute 4% by span", fit=dict(LEAN_DEEP_1, lever_inputs="kvs"),
+              runtime=DEEP_SPANS[0.04]),
+    ),
+)
+GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
+         "deep-levers": DEEP_LEVERS, "quick": QUICK}
 # the point kvbridge fit's defaults reproduce, with FAMILY's source-layer counts (the demo adds them; a deeper
 # source keeps every source layer by default): the rule's pick at 2,048 tokens in the run in docs/results (another
 # run that day picked 3 %, its validation tie, faster inside timing noise): docs/levers.md
