@@ -86,11 +86,12 @@ STATE128 = dict(LAGS, lever_inputs="kvs", mlp_hidden=128)  # + the source's fina
 # lags + MLP 128, calibrated with repeated spans and tuned on the target's next-token distribution (kvbridge.tune)
 TUNED = dict(MLP128, repeat_spans=0.5, lever_objective="output")
 # every point starts from the plain map: its levers are spelled out, whatever kvbridge fit's defaults are
-PLAIN = dict(lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1, lever_top_k=4,
-             lever_weighting="none", mlp_hidden=0, repeat_spans=0.0, lever_objective="kv", tune_plain=False,
-             recompute=0.0, recompute_by="logit", recompute_window=1, sink=False, hold_back=1)
-# the embedded family's source has two layers: each plain map and the lever read the one that predicts them best
-# (every source layer, kvbridge fit's default, costs twice the FLOPs here for no measured gain; see docs/levers.md)
+PLAIN = dict(top_k=None, lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1,
+             lever_top_k=4, lever_weighting="none", mlp_hidden=0, repeat_spans=0.0, lever_objective="kv",
+             tune_plain=False, recompute=0.0, recompute_by="logit", recompute_window=1, sink=False, hold_back=1)
+# each plain map and the lever read the one source layer that predicts them best (kvbridge fit's default, chosen on
+# both families: on the default family's two-layer source every layer costs twice the FLOPs for no measured gain, on
+# the deep family's four-layer source it loses retention with the levers; see docs/levers.md, docs/family.md)
 FAMILY = dict(top_k=1, lever_top_k=1)
 # 150 windows of 1,024 tokens: what the family's calibration split holds once 64 validation documents are out
 # (kvbridge fit's default, and the shipped mapper, read 160)
@@ -218,12 +219,13 @@ DEEP_LEVERS = FrontierConfig(
         Point("lean + state, top-k 1 + recompute 4% by span", fit=dict(LEAN_DEEP_1, lever_inputs="kvs"),
               runtime=DEEP_SPANS[0.04]),
     ),
+    lengths=(256, 1024),  # 55 minutes on 2 CPU cores; the deep grid's headline length is 1,024
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
          "deep-levers": DEEP_LEVERS, "quick": QUICK}
-# the point kvbridge fit's defaults reproduce, with FAMILY's source-layer counts (the demo adds them; a deeper
-# source keeps every source layer by default): the rule's pick at 2,048 tokens in the run in docs/results (another
-# run that day picked 3 %, its validation tie, faster inside timing noise): docs/levers.md
+# the point kvbridge fit's defaults reproduce (FAMILY's source-layer counts included): the rule's pick at 2,048 tokens
+# in the run in docs/results (another run that day picked 3 %, its validation tie, faster inside timing noise):
+# docs/levers.md
 RECOMMENDED = "lean + recompute 4% by span"
 
 
