@@ -142,7 +142,7 @@ def test_the_plan_prints_the_ttft_limit_of_the_defaults_at_the_published_geometr
     from kvbridge.bench_real import plan_table
 
     table = plan_table()
-    assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (levers, recompute" in table
+    assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (top-k 1, levers, recompute" in table
 
 
 def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):

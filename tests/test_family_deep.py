@@ -1,4 +1,4 @@
-"""The deep embedded family: built like a real pair (a source trained apart from its target), a real instrument."""
+"""The deep embedded family (a source trained apart from its target, the hard case for a map): a real instrument."""
 
 from pathlib import Path
 

@@ -22,7 +22,7 @@ from kvbridge.mapper import KINDS, MapperConfig, check_mapper
 @pytest.fixture(scope="module")
 def blocked(tiny_models):
     torch.manual_seed(0)
-    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT, head_blocks=2), progress=False)
+    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT, head_blocks=2, top_k=None), progress=False)  # every layer
 
 
 def block_diagonal(weight: torch.Tensor, sources: tuple[int, ...], source_heads: int, head_dim: int,

@@ -125,7 +125,8 @@ def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
-    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, tune_steps=20)
+    # every source layer for every map and the lever (the defaults read one: both cases are in the counts below)
+    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, tune_steps=20, top_k=None, lever_top_k=None)
     plain = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
     levered = fit_mapper(source, target, texts, FitConfig(**base, lags=(0, 1), lever_inputs="kv", mlp_hidden=8,
                                                           mlp_steps=30, lever_layers=(2,)), progress=False)
@@ -221,7 +222,7 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
     base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, lags=(0, 1), mlp_hidden=8, mlp_steps=30,
-                lever_layers=(2,), tune_steps=20)
+                lever_layers=(2,), tune_steps=20, top_k=None, lever_top_k=None)  # every source layer
     kv = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kv"), progress=False)
     kvs = fit_mapper(source, target, texts, FitConfig(**base, lever_inputs="kvs"), progress=False)
     (lever,) = kvs.config.levers

@@ -372,7 +372,21 @@ def test_fit_defaults_are_the_frontiers_recommended_point():
     point = next(p for p in FULL.points if p.name == RECOMMENDED)
     # the frontier fits on fewer windows: 64 of the calibration documents are its validation set
     assert FitConfig(**FAMILY) == replace(FULL.fit, **point.fit, **point.runtime, num_texts=160) == DEMO.fit
-    assert FitConfig().top_k is None  # a deeper source than the family's keeps every source layer by default
+    # one source layer a map by default, chosen on both families (the deep family's 4-layer source too)
+    assert FitConfig() == FitConfig(**FAMILY) and FitConfig().top_k == 1
+
+
+def test_every_grid_point_is_a_valid_fit_and_a_plain_point_reads_every_source_layer():
+    """Grid points spell their settings out: a changed kvbridge fit default (one source layer a map) does not
+    silently change what a grid's plain map is."""
+    from dataclasses import replace
+
+    from kvbridge.frontier import GRIDS
+
+    for name, grid in GRIDS.items():
+        assert grid.fit.top_k is None and not grid.fit.has_levers and grid.fit.recompute == 0, name
+        for point in grid.points:
+            replace(grid.fit, **point.fit, **point.runtime)  # FitConfig checks every setting on construction
 
 
 def test_a_cell_counts_only_where_native_beats_the_floor_beyond_noise_and_is_held_to_0_100():

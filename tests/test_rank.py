@@ -19,7 +19,7 @@ from kvbridge.mapper import KINDS, layer_features
 @pytest.fixture(scope="module")
 def full(tiny_models):
     torch.manual_seed(0)
-    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT), progress=False)
+    return fit_mapper(*tiny_models, FitConfig(**TINY_FIT, top_k=None), progress=False)  # every source layer
 
 
 
@@ -46,7 +46,7 @@ def test_a_factored_map_at_full_rank_is_the_full_map(tiny_models, full):
 
 def test_rank_choice_measures_what_the_mapper_does_and_keeps_its_budget(tiny_models, full):
     torch.manual_seed(0)
-    m = fit_mapper(*tiny_models, FitConfig(**TINY_FIT, rank_flops=0.3), progress=False)
+    m = fit_mapper(*tiny_models, FitConfig(**TINY_FIT, rank_flops=0.3, top_k=None), progress=False)  # as `full`
     choice = m.config.fit["rank_choice"]
     assert choice["criterion"] == "held-out" and m.config.factored
     for kind in KINDS:  # the curve's R² at the chosen rank is the R² the mapper's own hot path measures held out

@@ -488,6 +488,10 @@ def test_bad_cli_inputs_are_one_line_errors(fitted, tmp_path, capsys):
     _fails(["eval", *pair, "--mapper", str(mapper), "--batch-size", "0"], capsys, "--batch-size")
     with pytest.raises(SystemExit):  # an empty list is a usage error, not "no levers"
         main(["fit", *pair, "--texts", texts, *out, "--lever-layers", ","])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a usage error that says what --top-k takes
+        main(["fit", *pair, "--texts", texts, *out, "--top-k", "most"])
+    assert "--top-k: expected a number of source layers or 'all'" in capsys.readouterr().err
     if not torch.cuda.is_available():
         _fails([*gen, "--device", "cuda"], capsys, "no cuda device")
     assert not (tmp_path / "m").exists()

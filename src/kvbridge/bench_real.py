@@ -99,10 +99,13 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
 
 
 def random_mapper(source, target, device, dtype, levers: bool = False):
+    """Random weights at the published geometry (``levers``: at kvbridge fit's defaults, source layers included)."""
+    from .fit import FitConfig
     from .mapper import Mapper
     from .models import source_hidden_size
 
-    config = published_config(source.info, target.info, levers, source_hidden_size(source.model))
+    config = published_config(source.info, target.info, levers, source_hidden_size(source.model),
+                              top_k=FitConfig().top_k if levers else None)
     weights = {}
     for name, shape in config.weight_shapes().items():  # 2-D weights scaled to keep activations O(1)
         scale = shape[0] ** -0.5 if len(shape) == 2 else 0.0
@@ -150,21 +153,27 @@ def resident_line(device: str = "cpu") -> str:
 
 
 def plan_table() -> str:
-    """Parameters, size and FLOPs per token of the plain published geometry and of kvbridge fit's default levers.
+    """Parameters, size and FLOPs per token of the plain published geometry, of it with kvbridge fit's default
+    levers, and of kvbridge fit's defaults (source layers included).
 
     From the shipped configs alone: no weights are built.
     """
     from .bench import map_flops, prefill_flops
+    from .fit import FitConfig
 
     infos, configs = _published_infos()
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
     per_token_8b = prefill_flops(configs["ministral3-8b-text"], 1, 0)
     lines = ["| Mapper at the Ministral-3 3B→8B geometry | Parameters | float32 | bfloat16 | Map GFLOP/token | "
              "÷ 8B's own GFLOP/token |", "|---|---:|---:|---:|---:|---:|"]
-    rows = (("plain (the published artifact's)", False, None), ("kvbridge fit's default levers", True, None),
-            ("the same with the source's state (--lever-inputs kvs)", True, "kvs"))
-    for label, levers, inputs in rows:
-        config = published_config(source, target, levers, configs["ministral3-3b-text"].hidden_size, inputs)
+    top_k = FitConfig().top_k
+    rows = (("plain (the published artifact's: every source layer)", False, None, None),
+            ("the same + kvbridge fit's default levers", True, None, None),
+            ("the same with the source's state (--lever-inputs kvs)", True, "kvs", None),
+            (f"kvbridge fit's defaults (top-k {top_k or 'all'}, levers)", True, None, top_k))
+    for label, levers, inputs, top in rows:
+        config = published_config(source, target, levers, configs["ministral3-3b-text"].hidden_size, inputs,
+                                  top_k=top)
         n, f = config.num_parameters(), map_flops(config, 1)
         lines.append(f"| {label} | {n / 1e9:.3f} B | {4 * n / 1e9:.2f} GB | {2 * n / 1e9:.2f} GB | {f / 1e9:.3f} | "
                      f"{f / per_token_8b:.3f} |")
@@ -183,15 +192,20 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
     d = FitConfig()
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
     defaults = dict(hold_back=d.hold_back, recompute=d.recompute, sink=d.sink, recompute_by=d.recompute_by)
-    name = f"kvbridge fit's defaults (levers, recompute {d.recompute:g} by {d.recompute_by}, hold-back {d.hold_back})"
-    rows = (("plain (the published artifact's)", False, dict(hold_back=1), {}),
-            ("plain, top-k 4", False, dict(hold_back=1), dict(top_k=4)),
-            ("plain, rank at 25 % of the FLOPs", False, dict(hold_back=1), dict(rank_fraction=0.25)),
-            ("plain, head-matched (8 KV heads: head h → head h)", False, dict(hold_back=1), dict(head_blocks=8)),
-            (name, True, defaults, {}),
+    top = "every source layer" if d.top_k is None else f"top-k {d.top_k}"
+    name = (f"kvbridge fit's defaults ({top}, levers, recompute {d.recompute:g} by {d.recompute_by}, hold-back "
+            f"{d.hold_back})")
+    plain = dict(hold_back=1)
+    rows = (("plain (the published artifact's: every source layer)", False, plain, {}),
+            ("plain, top-k 4", False, plain, dict(top_k=4)),
+            ("plain, top-k 1", False, plain, dict(top_k=1)),
+            ("plain, rank at 25 % of the FLOPs", False, plain, dict(rank_fraction=0.25)),
+            ("plain, head-matched (8 KV heads: head h → head h)", False, plain, dict(head_blocks=8)),
+            (name, True, defaults, dict(top_k=d.top_k)),
             ("the same, top-k 4", True, defaults, dict(top_k=4)),
-            ("the same, rank at 25 % of the FLOPs", True, defaults, dict(rank_fraction=0.25)),
-            ("the same, head-matched", True, defaults, dict(head_blocks=8)))
+            ("the same, every source layer", True, defaults, {}),
+            ("the same, every source layer at rank 25 % of the FLOPs", True, defaults, dict(rank_fraction=0.25)),
+            ("the same, every source layer head-matched", True, defaults, dict(head_blocks=8)))
     lines = ["| Mapped path at the Ministral-3 3B→8B geometry | Map GFLOP/token | " + " | ".join(
         f"TTFT FLOP limit @{n:,}" for n in lengths) + " |", "|---|---:|" + "---:|" * len(lengths)]
     from .bench import map_flops
@@ -256,7 +270,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models of the same structure (smoke test)")
     parser.add_argument("--levers", action="store_true",
-                        help="time a mapper with kvbridge fit's default levers instead of the plain published one")
+                        help="time a mapper at kvbridge fit's defaults (its source layers a map and levers) instead "
+                             "of the plain published one")
     parser.add_argument("--plan", action="store_true",
                         help="only print parameters, size and FLOPs per token of the plain and levered mappers")
     parser.add_argument("--fit", action="store_true",

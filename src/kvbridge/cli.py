@@ -50,14 +50,24 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _layer_count(text: str) -> int | None:
+    """A count of source layers, or ``all`` (None)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of source layers or 'all', not {text!r}") from None
+
+
 def _add_levers(p: argparse.ArgumentParser) -> None:
     from .fit import FitConfig
     from .recompute import CRITERIA
 
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
-                                       "the defaults are the frontier's recommended point on the embedded family, "
-                                       "which adds --top-k 1, its source having two layers")
+                                       "the defaults are the frontier's recommended point, chosen on both embedded "
+                                       "families")
     g.add_argument("--lags", type=_int_list, default=d.lags,
                    help=f"source tokens t-j feeding target token t on lever layers (default: "
                         f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
@@ -74,9 +84,9 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                         f"(default: {d.lever_count})")
     g.add_argument("--lever-stride", type=int, default=d.lever_stride,
                    help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
-    g.add_argument("--lever-top-k", type=int, default=d.lever_top_k,
-                   help=f"source layers feeding each lever layer, the best by single-layer R², at most --top-k "
-                        f"(default: {d.lever_top_k})")
+    g.add_argument("--lever-top-k", type=_layer_count, default=d.lever_top_k,
+                   help=f"source layers feeding each lever layer, the best by single-layer R², at most --top-k; "
+                        f"all: as many as --top-k (default: {d.lever_top_k or 'all'})")
     g.add_argument("--lever-weighting", choices=["none", "attention"], default=d.lever_weighting,
                    help="attention: weighted ridge for lever layers, each token weighted by the attention its "
                         f"native key receives (default: {d.lever_weighting})")
@@ -147,11 +157,17 @@ def _lever_settings(args) -> dict:
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
+    from .fit import FitConfig
+
+    top_k = FitConfig().top_k
     p.add_argument("--num-texts", type=int, default=160,
                      help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
     p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
-    p.add_argument("--top-k", type=int, default=None, help="source layers per target layer (default: all)")
+    p.add_argument("--top-k", type=_layer_count, default=top_k,
+                   help=f"source layers per target layer, the best by single-layer R², or all (the published "
+                        f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on both embedded families: with "
+                        f"the levers one beat all four on the deep family's 4-layer source)")
     p.add_argument("--rank", type=int, default=None,
                    help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
                         "FLOPs per token; default: full rank)")
@@ -288,8 +304,8 @@ def _parser() -> argparse.ArgumentParser:
                          "same layer's values buys (each about as long as full); deep: fast maps (top-k, reduced "
                          "rank, head-matched) against full ones; deep-levers: the deep family's fits with residual "
                          "MLPs again (run it with another --seed) beside larger recompute shares, two source layers a "
-                         "map and the source's hidden state; quick: a smoke test (default: full, deep with "
-                         "--family deep)")
+                         "map and the source's hidden state (about an hour); quick: a smoke test (default: full, "
+                         "deep with --family deep)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--at", type=int, default=None, metavar="TOKENS",
                     help="the context length the recommendation is made and headlined at, one of the grid's lengths "

@@ -1,6 +1,6 @@
 """``kvbridge demo``: the whole job on the embedded family, with no network.
 
-The recommended mapper (``kvbridge fit``'s defaults with the family's ``--top-k 1``) and the plain linear map it is
+The recommended mapper (``kvbridge fit``'s defaults) and the plain linear map it is
 compared with ship with the package as verified artifacts, as published ones would — the demo loads them
 (``refit``: fits both again on the calibration split, about four minutes on 2 cores, to the same bytes) → saves and
 verifies the artifact → retention on the family tasks at 256 and 1,024 tokens, plain and recommended side by
@@ -24,7 +24,7 @@ from .card import write_card
 from .errors import KVBridgeError
 from .evaluate import bootstrap_interval, capped_mean_retention, family_tasks, mean_retention
 from .fit import FitConfig, fit_mapper
-from .frontier import FAMILY, ttft
+from .frontier import ttft
 from .mapper import Mapper, check_mapper
 from .outputs import check_output_dir, write_text
 from .transfer import Bridge
@@ -44,7 +44,7 @@ class DemoConfig:
     headline_rounds: int = 5
 
 
-FULL = DemoConfig(fit=FitConfig(**FAMILY),  # kvbridge fit's defaults on the family: the frontier's recommended point
+FULL = DemoConfig(fit=FitConfig(),  # kvbridge fit's defaults: the frontier's recommended point
                   task_items=48, task_lengths=(256, 1024), contexts=(64, 256, 1024), warmup=2, trials=7)
 QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
                                  mlp_batch=256, tune_steps=10),
@@ -110,8 +110,8 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
     shipped = not (quick or refit or name != "default")
     mapper = shipped_mapper(cfg) if shipped else None
     if mapper is None:
-        _say("fitting the recommended mapper (kvbridge fit's defaults, --top-k 1)" + (" — about three minutes on 2 "
-                                                                                     "cores" if not quick else ""))
+        _say("fitting the recommended mapper (kvbridge fit's defaults)" + (" — about three minutes on 2 cores"
+                                                                           if not quick else ""))
         mapper = fit_mapper(source, target, calibration, cfg.fit, progress=progress)
     else:
         _say(f"recommended mapper: the shipped, verified artifact {family.mapper_path()} (fitted with these settings "

@@ -2,8 +2,8 @@
 
     python -m kvbridge.family.train_deep --work deep-work          # resumes from deep-work/ when run again
 
-A second family built the way real pairs are: an 8-layer target and a 4-layer source, each trained **from its
-own random initialization** (no pruning, no distillation: their caches are related only by the data they read),
+A second family, the hard case for a map: an 8-layer target and a 4-layer source, each trained **from its own
+random initialization** (no pruning, no distillation: their caches are related only by the data they read),
 with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE settings, copy curriculum and
 length curriculum. Each model runs seven stages, seeded:
 
