@@ -221,8 +221,21 @@ DEEP_LEVERS = FrontierConfig(
     ),
     lengths=(256, 1024),  # 55 minutes on 2 CPU cores; the deep grid's headline length is 1,024
 )
+# the default family's side of the choice of kvbridge fit's source layers a map: one (the default) against every
+# source layer, plain and with the levers, at the deep-levers grid's lengths
+LAYERS = FrontierConfig(
+    fit=FIT,
+    points=(
+        Point("plain"),
+        Point("plain, top-k 1", fit=FAMILY),
+        Point("lean + recompute 4% by span", fit=LEAN, runtime=SPANS[0.04]),
+        Point("lean + recompute 4% by span, every source layer", fit=dict(LEAN, top_k=None, lever_top_k=None),
+              runtime=SPANS[0.04]),
+    ),
+    lengths=(256, 1024),
+)
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
-         "deep-levers": DEEP_LEVERS, "quick": QUICK}
+         "deep-levers": DEEP_LEVERS, "layers": LAYERS, "quick": QUICK}
 # the point kvbridge fit's defaults reproduce (FAMILY's source-layer counts included): the rule's pick at 2,048 tokens
 # in the run in docs/results (another run that day picked 3 %, its validation tie, faster inside timing noise):
 # docs/levers.md
