@@ -104,7 +104,7 @@ LEAN = dict(TUNED, tune_plain=True, **FAMILY)
 # selective recompute by each token's own score (the previous releases' rule) ...
 RECOMPUTE = {r: dict(recompute=r, recompute_by="logit", recompute_window=1) for r in (0.03, 0.05, 0.07, 0.1, 0.15, 0.2)}
 # ... and by its score averaged over the 9 tokens centred on it (kvbridge fit's default): unpredictable spans whole
-SPANS = {r: dict(recompute=r, recompute_by="logit", recompute_window=9) for r in (0.03, 0.04, 0.05, 0.07)}
+SPANS = {r: dict(recompute=r, recompute_by="logit", recompute_window=9) for r in (0.03, 0.04, 0.05, 0.07, 0.08, 0.15)}
 # the control: the same budget on tokens chosen blindly (seeded by the prompt), what the criterion adds is the rest
 BLIND = {r: dict(recompute=r, recompute_by="random", recompute_window=1) for r in (0.04,)}
 FULL = FrontierConfig(  # about 36 minutes on 2 CPU cores
@@ -194,8 +194,7 @@ DEEP = FrontierConfig(
         Point("plain, rank at 25% FLOPs", fit=dict(rank_flops=0.25)),
         Point("lean", fit=LEAN_DEEP),
         Point("lean + recompute 4% by span", fit=LEAN_DEEP, runtime=SPANS[0.04]),
-        Point("lean, top-k 1 + recompute 4% by span", fit=dict(LEAN_DEEP, top_k=1, lever_top_k=1),
-              runtime=SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN, runtime=SPANS[0.04]),
         Point("lean, rank at 25% FLOPs + recompute 4% by span", fit=dict(LEAN_DEEP, rank_flops=0.25),
               runtime=SPANS[0.04]),
         Point("plain, head-matched", fit=dict(head_blocks=4)),
@@ -205,19 +204,17 @@ DEEP = FrontierConfig(
 # the deep family's lever points once more (run it with another --seed: the plain maps are closed-form ridge fits, the
 # same under any seed, so only the fits with residual MLPs and tuning are here), beside what might buy more retention
 # there: larger recompute shares, two source layers a map, and a lever that also reads the source's hidden state
-LEAN_DEEP_1 = dict(LEAN_DEEP, top_k=1, lever_top_k=1)
-DEEP_SPANS = {r: dict(recompute=r, recompute_by="logit", recompute_window=9) for r in (0.04, 0.08, 0.15)}
 DEEP_LEVERS = FrontierConfig(
     fit=FIT,
     points=(
-        Point("lean + recompute 4% by span", fit=LEAN_DEEP, runtime=DEEP_SPANS[0.04]),
-        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.04]),
-        Point("lean, top-k 1 + recompute 8% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.08]),
-        Point("lean, top-k 1 + recompute 15% by span", fit=LEAN_DEEP_1, runtime=DEEP_SPANS[0.15]),
+        Point("lean + recompute 4% by span", fit=LEAN_DEEP, runtime=SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN, runtime=SPANS[0.04]),
+        Point("lean, top-k 1 + recompute 8% by span", fit=LEAN, runtime=SPANS[0.08]),
+        Point("lean, top-k 1 + recompute 15% by span", fit=LEAN, runtime=SPANS[0.15]),
         Point("lean, top-k 2 + recompute 4% by span", fit=dict(LEAN_DEEP, top_k=2, lever_top_k=2),
-              runtime=DEEP_SPANS[0.04]),
-        Point("lean + state, top-k 1 + recompute 4% by span", fit=dict(LEAN_DEEP_1, lever_inputs="kvs"),
-              runtime=DEEP_SPANS[0.04]),
+              runtime=SPANS[0.04]),
+        Point("lean + state, top-k 1 + recompute 4% by span", fit=dict(LEAN, lever_inputs="kvs"),
+              runtime=SPANS[0.04]),
     ),
     lengths=(256, 1024),  # 55 minutes on 2 CPU cores; the deep grid's headline length is 1,024
 )
