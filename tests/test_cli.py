@@ -87,7 +87,7 @@ def test_family_stands_for_the_pair_and_is_checked(fitted, capsys, monkeypatch, 
 
     source, target, out = fitted
     assert main(["generate", "--mapper", str(out), "--prompt", "def f(x):", "--max-new-tokens", "2"]) == 1
-    assert "--family default|deep" in capsys.readouterr().err
+    assert "--family default|deep|deep-pruned" in capsys.readouterr().err
     assert main(["generate", "--family", "default", "--source", source, "--mapper", str(out), "--prompt", "x"]) == 1
     assert "not both" in capsys.readouterr().err
     monkeypatch.setitem(family.FAMILIES, "deep", tmp_path / "none")  # a deep family that was never trained here

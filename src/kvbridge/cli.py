@@ -13,16 +13,20 @@ from .console import counts as _contexts
 from .console import log as _log
 from .console import require as _require
 from .errors import KVBridgeError
+from .family import FAMILIES
 from .outputs import check_output_dir, check_output_file, write_text
+
+FAMILY_NAMES = tuple(FAMILIES)
+DEFAULT_GRID = {"deep": "deep", "deep-pruned": "layers"}  # kvbridge frontier's grid per family without --grid
 
 
 def _add_pair(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--source", help="small model that prefills (folder or hub id)")
     g.add_argument("--target", help="large model that continues (folder or hub id)")
-    g.add_argument("--family", choices=("default", "deep"),
+    g.add_argument("--family", choices=FAMILY_NAMES,
                    help="an embedded family's pair instead of --source/--target (deep: 8-layer target, 4-layer "
-                        "source trained on its own)")
+                        "source trained on its own; deep-pruned: the same target, a source pruned from it)")
     g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
     g.add_argument("--target-revision", help="hub revision of the target")
     g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
@@ -273,9 +277,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="fit the recommended mapper and the plain map again instead of loading the shipped ones "
                            "(about four more minutes on 2 cores; the same bytes)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo.add_argument("--family", choices=("default", "deep"), default="default",
-                      help="the embedded family (deep: 8-layer target, 4-layer source trained on its own; it ships "
-                           "no mapper, so the demo fits one)")
+    demo.add_argument("--family", choices=FAMILY_NAMES, default="default",
+                      help="the embedded family (deep: 8-layer target, 4-layer source trained on its own; "
+                           "deep-pruned: the same target, a source pruned from it and distilled; neither ships a "
+                           "mapper, so the demo fits one)")
 
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
@@ -290,9 +295,10 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
     fr.add_argument("--source", help="source model (default: the embedded family's)")
     fr.add_argument("--target", help="target model (default: the embedded family's)")
-    fr.add_argument("--family", choices=("default", "deep"), default=None,
+    fr.add_argument("--family", choices=FAMILY_NAMES, default=None,
                     help="which embedded family without --source/--target (default: default; deep: 8-layer target, "
-                         "4-layer source trained on its own; grid deep)")
+                         "4-layer source trained on its own, grid deep; deep-pruned: the same target, a source "
+                         "pruned from it and distilled, grid layers)")
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
@@ -305,8 +311,8 @@ def _parser() -> argparse.ArgumentParser:
                          "rank, head-matched) against full ones; deep-levers: the deep family's fits with residual "
                          "MLPs again (run it with another --seed) beside larger recompute shares, two source layers a "
                          "map and the source's hidden state (about an hour); layers: one source layer a map against "
-                         "every one, plain and with the levers; quick: a smoke test (default: full, deep with "
-                         "--family deep)")
+                         "every one, plain and with the levers; quick: a smoke test (default: full; deep with "
+                         "--family deep, layers with --family deep-pruned)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--at", type=int, default=None, metavar="TOKENS",
                     help="the context length the recommendation is made and headlined at, one of the grid's lengths "
@@ -595,7 +601,7 @@ def _cmd_frontier(args) -> int:
         source, target = family.load_family(device=args.device, name=args.family or "default")
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    grid = GRIDS["quick" if args.quick else args.grid or ("deep" if args.family == "deep" else "full")]
+    grid = GRIDS["quick" if args.quick else args.grid or DEFAULT_GRID.get(args.family, "full")]
     if args.seed is not None:
         grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
     if args.at is not None:
@@ -913,8 +919,8 @@ def _family_pair(args) -> None:
 
         args.source, args.target = family.source_path(args.family), family.target_path(args.family)
     elif not (args.source and args.target):
-        raise KVBridgeError("give --source and --target (folders or hub ids), or --family default|deep for an "
-                            "embedded family.")
+        raise KVBridgeError("give --source and --target (folders or hub ids), or --family "
+                            f"{'|'.join(FAMILY_NAMES)} for an embedded family.")
 
 
 # their parsers and handlers live in kvbridge.serving.commands

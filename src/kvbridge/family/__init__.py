@@ -5,7 +5,9 @@ distilled) share one byte-level BPE tokenizer and were trained on the CPython st
 source (PSF License 2.0) by :mod:`kvbridge.family.train`. They load through exactly the same
 transformers code path as hub checkpoints, so every command works on them with no network. A second,
 *deep* family (``name="deep"``: an 8-layer target and a 4-layer source, each trained from its own random
-initialization by :mod:`kvbridge.family.train_deep`) shares the tokenizer and the data splits.
+initialization by :mod:`kvbridge.family.train_deep`) shares the tokenizer and the data splits; a third,
+``deep-pruned``, pairs the deep target with a 4-layer source pruned from it and distilled
+(:mod:`kvbridge.family.train_pruned`): the deep family's geometry, built the way Ministral 3's sizes are.
 """
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ DATA = FAMILY_DIR / "data"
 SOURCE = CHECKPOINTS / "source"
 TARGET = CHECKPOINTS / "target"
 DEEP = FAMILY_DIR / "deep"  # the deep family (8-layer target, 4-layer source trained independently)
+PRUNED = FAMILY_DIR / "deep-pruned"  # its target with a source pruned from it and distilled (source/ only)
 
 
-FAMILIES = {"default": CHECKPOINTS, "deep": DEEP}  # the deep family's checkpoints sit in deep/ (target/, source/)
+# each family's folder holds its source/ and family.json, and its target/ unless TARGET_OF names another family's
+FAMILIES = {"default": CHECKPOINTS, "deep": DEEP, "deep-pruned": PRUNED}
+TARGET_OF = {"deep-pruned": "deep"}  # deep-pruned's target is the deep family's (the checkpoint it was pruned from)
+TRAIN = {"default": "retrain it with `python -m kvbridge.family.train`",
+         "deep": "train it with `python -m kvbridge.family.train_deep` (resumable; several hours on 2 CPU cores)",
+         "deep-pruned": "train it with `python -m kvbridge.family.train_pruned` (resumable; about 20 minutes on 2 "
+                        "CPU cores, from the deep family's target)"}
 
 
 def _require(path: Path, name: str = "default") -> Path:
     if not path.exists():
-        how = ("train it with `python -m kvbridge.family.train_deep` (resumable; several hours on 2 CPU cores)"
-               if name == "deep" else "retrain it with `python -m kvbridge.family.train`")
+        how = TRAIN.get(name, TRAIN["default"])
         raise ModelLoadError(f"the embedded family file {path} is missing from this installation; reinstall kvbridge "
                              f"(`pip install -e .` from a full clone), or {how}.")
     return path
@@ -48,7 +56,9 @@ def source_path(name: str = "default") -> str:
 
 
 def target_path(name: str = "default") -> str:
-    return str(_require(_checkpoints(name) / "target", name))
+    _checkpoints(name)
+    owner = TARGET_OF.get(name, name)
+    return str(_require(_checkpoints(owner) / "target", owner))
 
 
 def _texts(split: str) -> list[str]:
@@ -73,8 +83,8 @@ def report(name: str = "default") -> dict:
 
 def load_family(device: str = "cpu", dtype=None, name: str = "default"):
     """``(source, target)`` as :class:`kvbridge.models.LoadedModel`, loaded like any checkpoint folder. ``name``:
-    ``default`` (4-layer target, 2-layer source pruned from it) or ``deep`` (8-layer target, 4-layer source
-    trained on its own)."""
+    ``default`` (4-layer target, 2-layer source pruned from it), ``deep`` (8-layer target, 4-layer source
+    trained on its own) or ``deep-pruned`` (the deep target, a 4-layer source pruned from it)."""
     from ..models import load_model
 
     return (load_model(source_path(name), device=device, dtype=dtype),

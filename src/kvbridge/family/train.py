@@ -268,7 +268,7 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
         loss = out.loss.float()
         if teacher is not None:
             with torch.no_grad(), cast():
-                t_logits = teacher(input_ids=ids, use_cache=False).logits
+                t_logits = teacher(input_ids=ids, use_cache=False, **extra).logits  # the student's positions
             kl = F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(t_logits.float(), -1), log_target=True,
                           reduction="batchmean") / ids.shape[1]
             loss = kl + 0.5 * loss
