@@ -93,6 +93,12 @@ def test_family_stands_for_the_pair_and_is_checked(fitted, capsys, monkeypatch, 
     monkeypatch.setitem(family.FAMILIES, "deep", tmp_path / "none")  # a deep family that was never trained here
     assert main(["generate", "--family", "deep", "--mapper", str(out), "--prompt", "x"]) == 1
     assert "train_deep" in capsys.readouterr().err
+    # deep-pruned's target is the deep family's: missing, the error names the deep family's training
+    assert main(["generate", "--family", "deep-pruned", "--mapper", str(out), "--prompt", "x"]) == 1
+    assert "train_deep" in capsys.readouterr().err
+    monkeypatch.setitem(family.FAMILIES, "deep-pruned", tmp_path / "none")
+    assert main(["generate", "--family", "deep-pruned", "--mapper", str(out), "--prompt", "x"]) == 1
+    assert "train_pruned" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--family", "huge", "--mapper", str(out), "--prompt", "x"])
     # the family's models with a mapper of another pair: refused as any wrong pair is

@@ -372,7 +372,7 @@ def test_fit_defaults_are_the_frontiers_recommended_point():
     point = next(p for p in FULL.points if p.name == RECOMMENDED)
     # the frontier fits on fewer windows: 64 of the calibration documents are its validation set
     assert FitConfig(**FAMILY) == replace(FULL.fit, **point.fit, **point.runtime, num_texts=160) == DEMO.fit
-    # one source layer a map by default, chosen on both families (the deep family's 4-layer source too)
+    # one source layer a map by default, chosen on the embedded families (the deep ones' 4-layer sources too)
     assert FitConfig() == FitConfig(**FAMILY) and FitConfig().top_k == 1
 
 

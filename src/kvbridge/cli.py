@@ -13,11 +13,10 @@ from .console import counts as _contexts
 from .console import log as _log
 from .console import require as _require
 from .errors import KVBridgeError
-from .family import FAMILIES
+from .family import FAMILIES, describe
 from .outputs import check_output_dir, check_output_file, write_text
 
 FAMILY_NAMES = tuple(FAMILIES)
-DEFAULT_GRID = {"deep": "deep", "deep-pruned": "layers"}  # kvbridge frontier's grid per family without --grid
 
 
 def _add_pair(p: argparse.ArgumentParser) -> None:
@@ -25,8 +24,7 @@ def _add_pair(p: argparse.ArgumentParser) -> None:
     g.add_argument("--source", help="small model that prefills (folder or hub id)")
     g.add_argument("--target", help="large model that continues (folder or hub id)")
     g.add_argument("--family", choices=FAMILY_NAMES,
-                   help="an embedded family's pair instead of --source/--target (deep: 8-layer target, 4-layer "
-                        "source trained on its own; deep-pruned: the same target, a source pruned from it)")
+                   help=f"an embedded family's pair instead of --source/--target ({describe()})")
     g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
     g.add_argument("--target-revision", help="hub revision of the target")
     g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
@@ -70,7 +68,7 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
 
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
-                                       "the defaults are the frontier's recommended point, chosen on both embedded "
+                                       "the defaults are the frontier's recommended point, chosen on the embedded "
                                        "families")
     g.add_argument("--lags", type=_int_list, default=d.lags,
                    help=f"source tokens t-j feeding target token t on lever layers (default: "
@@ -170,8 +168,9 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
     p.add_argument("--top-k", type=_layer_count, default=top_k,
                    help=f"source layers per target layer, the best by single-layer R², or all (the published "
-                        f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on both embedded families: with "
-                        f"the levers one beat all four on the deep family's 4-layer source)")
+                        f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on the embedded families: with "
+                        f"the levers one beat all four on the deep family's 4-layer source and tied them on "
+                        f"deep-pruned's)")
     p.add_argument("--rank", type=int, default=None,
                    help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
                         "FLOPs per token; default: full rank)")
@@ -278,9 +277,8 @@ def _parser() -> argparse.ArgumentParser:
                            "(about four more minutes on 2 cores; the same bytes)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.add_argument("--family", choices=FAMILY_NAMES, default="default",
-                      help="the embedded family (deep: 8-layer target, 4-layer source trained on its own; "
-                           "deep-pruned: the same target, a source pruned from it and distilled; neither ships a "
-                           "mapper, so the demo fits one)")
+                      help=f"the embedded family ({describe()}; only default ships a mapper, for the others the "
+                           "demo fits one)")
 
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
@@ -296,9 +294,8 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--source", help="source model (default: the embedded family's)")
     fr.add_argument("--target", help="target model (default: the embedded family's)")
     fr.add_argument("--family", choices=FAMILY_NAMES, default=None,
-                    help="which embedded family without --source/--target (default: default; deep: 8-layer target, "
-                         "4-layer source trained on its own, grid deep; deep-pruned: the same target, a source "
-                         "pruned from it and distilled, grid layers)")
+                    help=f"which embedded family without --source/--target (default: default; {describe()}); "
+                         "it sets the default grid")
     fr.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
@@ -582,7 +579,7 @@ def _cmd_frontier(args) -> int:
     from dataclasses import replace
 
     from . import family
-    from .frontier import GRIDS, frontier_table, run_frontier
+    from .frontier import FAMILY_GRIDS, GRIDS, frontier_table, run_frontier
     from .models import load_model
     from .texts import read_texts
 
@@ -601,7 +598,7 @@ def _cmd_frontier(args) -> int:
         source, target = family.load_family(device=args.device, name=args.family or "default")
     calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
     heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
-    grid = GRIDS["quick" if args.quick else args.grid or DEFAULT_GRID.get(args.family, "full")]
+    grid = GRIDS["quick" if args.quick else args.grid or FAMILY_GRIDS.get(args.family, "full")]
     if args.seed is not None:
         grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
     if args.at is not None:

@@ -92,7 +92,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
              name: str = "default") -> dict:
     """Run the demo; returns every figure (also written to ``OUT/demo.json`` when ``out`` is given). The shipped
     recommended mapper is used unless ``refit`` (or ``quick``, whose reduced fit is its own). ``name``: the embedded
-    family (``deep`` ships no mapper: it is fitted)."""
+    family (only ``default`` ships a mapper: the others' are fitted)."""
     cfg = QUICK if quick else FULL
     if out:  # before minutes of work, not after
         check_output_dir(out)

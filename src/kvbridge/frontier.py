@@ -90,8 +90,9 @@ PLAIN = dict(top_k=None, lags=(0,), lever_inputs="same", lever_kinds=("key",), l
              lever_top_k=4, lever_weighting="none", mlp_hidden=0, repeat_spans=0.0, lever_objective="kv",
              tune_plain=False, recompute=0.0, recompute_by="logit", recompute_window=1, sink=False, hold_back=1)
 # each plain map and the lever read the one source layer that predicts them best (kvbridge fit's default, chosen on
-# both families: on the default family's two-layer source every layer costs twice the FLOPs for no measured gain, on
-# the deep family's four-layer source it loses retention with the levers; see docs/levers.md, docs/family.md)
+# the embedded families: on the default family's two-layer source every layer costs twice the FLOPs for no measured
+# gain, on the deep family's four-layer source it loses retention with the levers, on deep-pruned's it ties at four
+# times the FLOPs; see docs/levers.md, docs/family.md)
 FAMILY = dict(top_k=1, lever_top_k=1)
 # 150 windows of 1,024 tokens: what the family's calibration split holds once 64 validation documents are out
 # (kvbridge fit's default, and the shipped mapper, read 160)
@@ -233,6 +234,7 @@ LAYERS = FrontierConfig(
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
          "deep-levers": DEEP_LEVERS, "layers": LAYERS, "quick": QUICK}
+FAMILY_GRIDS = {"deep": "deep", "deep-pruned": "layers"}  # kvbridge frontier's grid per embedded family (else full)
 # the point kvbridge fit's defaults reproduce (FAMILY's source-layer counts included): the rule's pick at 2,048 tokens
 # in the run in docs/results (another run that day picked 3 %, its validation tie, faster inside timing noise):
 # docs/levers.md

@@ -31,8 +31,16 @@ FAMILIES = {"default": CHECKPOINTS, "deep": DEEP, "deep-pruned": PRUNED}
 TARGET_OF = {"deep-pruned": "deep"}  # deep-pruned's target is the deep family's (the checkpoint it was pruned from)
 TRAIN = {"default": "retrain it with `python -m kvbridge.family.train`",
          "deep": "train it with `python -m kvbridge.family.train_deep` (resumable; several hours on 2 CPU cores)",
-         "deep-pruned": "train it with `python -m kvbridge.family.train_pruned` (resumable; about 20 minutes on 2 "
+         "deep-pruned": "train it with `python -m kvbridge.family.train_pruned` (resumable; about 16 minutes on 2 "
                         "CPU cores, from the deep family's target)"}
+DESCRIPTIONS = {"default": "4-layer target, 2-layer source pruned from it and distilled",
+                "deep": "8-layer target, 4-layer source trained on its own",
+                "deep-pruned": "the deep target, a 4-layer source pruned from it and distilled"}
+
+
+def describe() -> str:
+    """One line naming every embedded family (the command line's help)."""
+    return "; ".join(f"{name}: {text}" for name, text in DESCRIPTIONS.items())
 
 
 def _require(path: Path, name: str = "default") -> Path:

@@ -96,6 +96,21 @@ def _write_json(data: dict, path: Path) -> None:
 PROBES = ((256, 200), (512, 200), (1024, 200), (1024, 450), (1024, 950))  # (row length, span distance)
 
 
+def first_family_data():
+    """``(tokenizer, splits, train stream, held-out stream, the stream's recorded SHA-256)``: the first family's
+    tokenizer and corpus, one vocabulary for every family, checked against the stream it was trained on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINTS / "target")
+    splits = documents()
+    train_stream = token_stream(tokenizer, splits["train"])
+    recorded = json.loads((CHECKPOINTS / "family.json").read_text())["train_stream_sha256"]
+    if sha256_bytes(train_stream.numpy().tobytes()) != recorded:
+        raise SystemExit("the local standard library gives another training stream than the first family's "
+                         "(another Python version?); this family would not read the same corpus.")
+    return tokenizer, splits, train_stream, token_stream(tokenizer, splits["heldout"]), recorded
+
+
 def position_probe(model, held_stream: torch.Tensor, frequent: list[int], rows: int = 16, seed: int = 0) -> dict:
     """Recall of a 16-token random span ``distance`` tokens back, the repeat ending 24 tokens before the row's end,
     per (row length, distance) of :data:`PROBES`: a model that never saw a position past 256 fails at 512 even
@@ -173,7 +188,7 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
 
 
 def main(argv=None) -> None:
-    from transformers import AutoTokenizer, Ministral3ForCausalLM
+    from transformers import Ministral3ForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="deep-work", help="resumable state: loop checkpoints, finished stages")
@@ -204,15 +219,7 @@ def main(argv=None) -> None:
     progress_path = work / "progress.json"
     progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
 
-    # the first family's tokenizer and corpus stream: one vocabulary for both families
-    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINTS / "target")
-    splits = documents()
-    train_stream = token_stream(tokenizer, splits["train"])
-    recorded = json.loads((CHECKPOINTS / "family.json").read_text())["train_stream_sha256"]
-    if sha256_bytes(train_stream.numpy().tobytes()) != recorded:
-        raise SystemExit("the local standard library gives another training stream than the first family's "
-                         "(another Python version?); the deep family would not read the same corpus.")
-    held_stream = token_stream(tokenizer, splits["heldout"])
+    tokenizer, splits, train_stream, held_stream, recorded = first_family_data()
     frequent = frequent_tokens(train_stream)
     if args.probe:
         for folder in args.probe:

@@ -32,9 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..hashing import sha256_bytes
-from . import CHECKPOINTS, DEEP, PRUNED
-from .corpus import documents
+from . import DEEP, PRUNED
 from .train import (
     DISTILL_MIX,
     PAD,
@@ -45,10 +43,9 @@ from .train import (
     prune,
     recall_rows,
     skip_positions,
-    token_stream,
     train,
 )
-from .train_deep import POSITIONS, SHAPES, _atomic_save, _write_json
+from .train_deep import POSITIONS, SHAPES, _atomic_save, _write_json, first_family_data
 from .train_long import LONG_MIX, measure, shapes_for
 
 STAGES = ("distil", "long")
@@ -56,7 +53,7 @@ SEED = 30
 
 
 def main(argv=None) -> None:
-    from transformers import AutoTokenizer, Ministral3ForCausalLM
+    from transformers import Ministral3ForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="pruned-work", help="resumable state: loop checkpoints, finished stages")
@@ -76,14 +73,7 @@ def main(argv=None) -> None:
     progress_path = work / "progress.json"
     progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
 
-    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINTS / "target")
-    splits = documents()
-    train_stream = token_stream(tokenizer, splits["train"])
-    recorded = json.loads((CHECKPOINTS / "family.json").read_text())["train_stream_sha256"]
-    if sha256_bytes(train_stream.numpy().tobytes()) != recorded:
-        raise SystemExit("the local standard library gives another training stream than the first family's "
-                         "(another Python version?); the source would not read the same corpus.")
-    held_stream = token_stream(tokenizer, splits["heldout"])
+    tokenizer, splits, train_stream, held_stream, recorded = first_family_data()
     frequent = frequent_tokens(train_stream)
     spans = frequent_tokens(train_stream, 3072)
     probe = recall_rows(held_stream, frequent, 16, seq=1024)
@@ -91,8 +81,8 @@ def main(argv=None) -> None:
     target = Ministral3ForCausalLM.from_pretrained(DEEP / "target").float().eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    layers, hidden, mlp, rope = SHAPES["source"]
-    if (work / "source").exists():
+    layers, hidden, mlp, _ = SHAPES["source"]  # prune gives the source its RoPE (the deep source's)
+    if "prune" in progress and (work / "source").exists():
         source = Ministral3ForCausalLM.from_pretrained(work / "source")
         keep = progress["prune"]["layers"]
     else:
@@ -101,8 +91,8 @@ def main(argv=None) -> None:
         started = time.time()
         keep = best_layers(target, layers, calib)
         source = prune(target, keep, hidden, mlp, calib)
-        progress["prune"] = {"layers": list(keep), "hidden": hidden, "mlp": mlp, "rope": rope,
-                             "seconds": round(time.time() - started)}
+        progress["prune"] = {"layers": list(keep), "hidden": hidden, "mlp": mlp,
+                             "rope": dict(source.config.rope_parameters), "seconds": round(time.time() - started)}
         source.save_pretrained(work / "source")
         _write_json(progress, progress_path)
     for i, stage in enumerate(STAGES):
@@ -149,7 +139,7 @@ def main(argv=None) -> None:
         "weights": "bfloat16 (the figures below are measured on them, in float32 arithmetic)",
         "stages": progress,
         "train_seconds": sum(record["seconds"] for record in progress.values()),
-        "source": {"layers": layers, "hidden": hidden, "mlp": mlp, "rope": rope,
+        "source": {"layers": layers, "hidden": hidden, "mlp": mlp, "rope": dict(source.config.rope_parameters),
                    "parameters": sum(p.numel() for p in source.parameters())}
         | measure(source, tokenizer, splits["heldout"], held_stream, frequent),
     }
