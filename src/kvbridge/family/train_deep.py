@@ -96,6 +96,14 @@ def _write_json(data: dict, path: Path) -> None:
 PROBES = ((256, 200), (512, 200), (1024, 200), (1024, 450), (1024, 950))  # (row length, span distance)
 
 
+def work_state(folder: str | Path) -> tuple[Path, Path, dict]:
+    """``(work folder, its progress.json, the stages it records as finished)``; the folder is created if new."""
+    work = Path(folder)
+    work.mkdir(parents=True, exist_ok=True)
+    progress_path = work / "progress.json"
+    return work, progress_path, json.loads(progress_path.read_text()) if progress_path.exists() else {}
+
+
 def first_family_data():
     """``(tokenizer, splits, train stream, held-out stream, the stream's recorded SHA-256)``: the first family's
     tokenizer and corpus, one vocabulary for every family, checked against the stream it was trained on."""
@@ -214,10 +222,7 @@ def main(argv=None) -> None:
                         help="print each checkpoint folder's recall by position (position_probe) and exit")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    progress_path = work / "progress.json"
-    progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+    work, progress_path, progress = work_state(args.work)
 
     tokenizer, splits, train_stream, held_stream, recorded = first_family_data()
     frequent = frequent_tokens(train_stream)

@@ -45,7 +45,7 @@ from .train import (
     skip_positions,
     train,
 )
-from .train_deep import POSITIONS, SHAPES, _atomic_save, _write_json, first_family_data
+from .train_deep import POSITIONS, SHAPES, _atomic_save, _write_json, first_family_data, work_state
 from .train_long import LONG_MIX, measure, shapes_for
 
 STAGES = ("distil", "long")
@@ -68,10 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--save-every", type=int, default=50)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    progress_path = work / "progress.json"
-    progress = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+    work, progress_path, progress = work_state(args.work)
 
     tokenizer, splits, train_stream, held_stream, recorded = first_family_data()
     frequent = frequent_tokens(train_stream)
