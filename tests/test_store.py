@@ -156,3 +156,88 @@ def test_stored_kv_of_another_shape_is_refused(family_bridge):
     bad = Stored(16, [torch.zeros(1, 4, 16, 32)] * 3, [torch.zeros(1, 4, 16, 32)] * 3, torch.zeros(1, 16, 160))
     with pytest.raises(InputError, match="do not match"):
         family_bridge.mapped_cache(ids, torch.ones_like(ids), stored=bad)
+
+
+def test_mapped_entries_are_read_per_map_and_refused_for_another(tmp_path):
+    """Map-ahead entries sit beside the source's, keyed by the same chain and the map: another map's never match
+    (another path), one whose metadata names another map is refused, a tail is read as far as the prompt shares."""
+    from kvbridge.serving.store import map_identity
+
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids = list(range(1, 20))
+    fill(store, ids)
+    ours, theirs = map_identity(ME, "checksums A", {"t": 1}), map_identity(ME, "checksums B", {"t": 1})
+    assert ours != theirs != map_identity(ME, "checksums A", {"t": 2})
+    mapped = torch.randn(2, 3, 19, 2, 4)  # (K/V, target layers, tokens, heads, dim)
+    parent = chain_seed(ME, None)
+    for start in (0, 8):
+        key = next_key(parent, ids[start:start + BT])
+        assert store.put(key, parent, ours, ids[start:start + BT], *mapped[:, :, start:start + BT], None, map_id=ours)
+        parent = key
+    assert store.put(parent, parent, ours, ids[16:], *mapped[:, :, 16:], None, tail=True, map_id=ours)
+    found = store.lookup(chain_seed(ME, None), ME, ids[:18] + [0], 100, map_id=ours)
+    assert found.tokens == 18 and found.hidden is None and len(found.keys) == 3
+    assert torch.equal(found.values[2][0].transpose(0, 1), mapped[1, 2, :18])
+    assert store.lookup(chain_seed(ME, None), ME, ids, 100, map_id=theirs).tokens == 0
+    assert store.lookup(chain_seed(ME, None), ME, ids, 100).tokens == 19  # the source entries are untouched
+    first = store.mapped_path(chain(chain_seed(ME, None), ids, BT)[0], theirs)
+    first.parent.mkdir(parents=True, exist_ok=True)
+    first.write_bytes(store.mapped_path(chain(chain_seed(ME, None), ids, BT)[0], ours).read_bytes())
+    found = store.lookup(chain_seed(ME, None), ME, ids, 100, map_id=theirs)
+    assert found.tokens == 0 and found.refused == 1 and "another map" in found.reason
+
+
+@pytest.fixture(scope="module")
+def rope_models():
+    from kvbridge import family
+    from kvbridge.models import load_rope_model
+
+    return load_rope_model(family.source_path()), load_rope_model(family.target_path())
+
+
+def test_a_rope_model_is_the_checkpoint_without_its_weights(family_bridge, rope_models):
+    from kvbridge.rope import rope_factors
+
+    source, target = rope_models
+    assert (source.info, target.info) == (family_bridge.source.info, family_bridge.target.info)
+    positions = torch.arange(1500)[None]
+    for light, full in ((source, family_bridge.source), (target, family_bridge.target)):
+        assert not any(p.numel() for p in light.model.parameters())
+        for a, b in zip(rope_factors(light.model, positions), rope_factors(full.model, positions)):
+            assert torch.equal(a, b)
+
+
+def test_blocks_mapped_ahead_equal_the_map_of_the_whole_prompt(family_bridge, rope_models):
+    """Map-ahead: each 128-token block mapped alone (with the tokens before it its lags read, as the source engine
+    does) equals the same tokens of the whole prompt's map; a mapped cache built from them equals the cold one."""
+    from kvbridge.models import cache_kv, prefill
+    from kvbridge.recompute import Stored
+    from kvbridge.transfer import map_block
+
+    b, (source, target) = family_bridge, rope_models
+    assert b.mapper.max_lag == 2 and b.selects_tokens  # the shipped mapper: lags, 4 % selective recompute
+    ids = torch.tensor([[1] + list(range(300, 598))])
+    mask = torch.ones_like(ids)
+    n = 256
+    cache, hidden = prefill(b.source.model, ids[:, :n], mask[:, :n], logits="hidden")
+    keys, values = cache_kv(cache)
+    kv = [torch.stack([t[0].transpose(0, 1) for t in layers]) for layers in (keys, values)]  # (Ls, T, Hs, Ds)
+    blocks = []
+    for start in (0, 128):
+        past = min(2, start)
+        rows = slice(start - past, start + 128)
+        blocks.append(map_block(source.model, target.model, b.mapper, kv[0][:, rows], kv[1][:, rows], hidden[0, rows],
+                                start, past))
+    ahead = [torch.cat([blk[i] for blk in blocks], dim=1) for i in (0, 1)]  # (Lt, T, Ht, Dt)
+    whole = cache_kv(b.map_cache(cache, torch.arange(n)[None], hidden))
+    for i in (0, 1):
+        for layer, mapped in enumerate(whole[i]):
+            torch.testing.assert_close(ahead[i][layer], mapped[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="lags"):
+        map_block(source.model, target.model, b.mapper, kv[0][:, 127:256], kv[1][:, 127:256], hidden[0, 127:256],
+                  128, 1)
+    premapped = tuple([t[:, :200].transpose(0, 1)[None] for t in ahead[i]] for i in (0, 1))  # 200 of 256
+    warm = cache_kv(b.mapped_cache(ids, mask, stored=Stored(n, keys, values, hidden, premapped)))
+    cold = cache_kv(b.mapped_cache(ids, mask))
+    for a, w in zip(cold[0] + cold[1], warm[0] + warm[1]):
+        torch.testing.assert_close(w, a, rtol=1e-4, atol=1e-4)

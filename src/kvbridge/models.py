@@ -219,7 +219,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
 ) -> LoadedModel:
     """Load a text-only causal LM and its tokenizer from a folder or a hub id (pinned revision)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_device(device)
     local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
@@ -244,6 +244,13 @@ def load_model(
             "holds the full model, or that the multimodal layout is one kvbridge knows."
         )
     model.eval().to(device)
+    return _loaded(model, id_or_path, commit, config, local_dir, type(model).__name__)
+
+
+def _loaded(model, id_or_path: str, commit: str | None, config, local_dir, architecture: str) -> LoadedModel:
+    """``model`` with its tokenizer and :class:`ModelInfo`."""
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(local_dir)
     except (OSError, ValueError) as exc:
@@ -251,7 +258,7 @@ def load_model(
     info = ModelInfo(
         name_or_path=str(id_or_path),
         revision=commit,
-        architecture=type(model).__name__,
+        architecture=architecture,
         num_layers=int(config.num_hidden_layers),
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
@@ -261,6 +268,45 @@ def load_model(
         weights_sha256=weights_fingerprint(local_dir),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+class RopeOnly(torch.nn.Module):
+    """A causal LM's config and rotary module without its weights: all that mapping needs of a model whose cache
+    it only un-rotates or rotates (:func:`load_rope_model`). ``model.rotary_emb`` as in transformers' causal LMs;
+    an empty parameter tells the device and dtype the map writes in."""
+
+    def __init__(self, config, rotary: torch.nn.Module, device, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.model = torch.nn.Module()
+        self.model.rotary_emb = rotary
+        self.anchor = torch.nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+
+    def get_decoder(self):
+        return self.model
+
+
+def load_rope_model(id_or_path: str, revision: str | None = None, device: str | torch.device = "cpu",
+                    dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """A checkpoint's config, rotary module, tokenizer and identity, without loading its weights (a few MB read
+    for the fingerprint): what a process that maps K/V but never runs the model needs of it (the source engine's
+    map-ahead). The rotary module is the architecture's own class, built from the config as the model builds it."""
+    from transformers import AutoModelForCausalLM
+
+    check_device(device)
+    local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
+    config, _ = _text_config(local_dir)
+    with _quiet_transformers(), torch.device("meta"):
+        try:
+            skeleton = AutoModelForCausalLM.from_config(config)
+        except ValueError as exc:
+            raise ModelLoadError(f"{id_or_path!r} is not a causal language model transformers can build: "
+                                 f"{exc}") from None
+    from .rope import rotary_module
+
+    rotary = type(rotary_module(skeleton))(config).to(device)  # (meta buffers are not moved: build it anew)
+    model = RopeOnly(config, rotary, device, resolve_dtype(dtype, device)).eval()
+    return _loaded(model, id_or_path, commit, config, local_dir, type(skeleton).__name__)
 
 
 def position_limit(*positions: int | None) -> int:

@@ -383,12 +383,15 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
 @dataclass
 class Stored:
     """The source's own K/V of a prompt's first ``tokens`` tokens (per layer (1, H, tokens, D), keys with RoPE) and
-    its final hidden states there (1, tokens, S): what an engine that served the source kept (warm transfer)."""
+    its final hidden states there (1, tokens, S): what an engine that served the source kept (warm transfer).
+    ``mapped``: the target's post-RoPE keys and values of the first M ≤ ``tokens`` of them, mapped ahead by that
+    engine (per target layer (1, Ht, M, Dt)); the map then runs over the tokens after them only."""
 
     tokens: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     hidden: torch.Tensor
+    mapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 def source_scores(bridge, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -437,7 +440,8 @@ def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor, owing: bo
     (:func:`owing_cache`)."""
     positions = positions_from_mask(mask)
     source_cache, hidden, scores = source_scores(bridge, ids, mask, positions, stored)
-    cache = bridge.map_cache(source_cache, positions, hidden if bridge.mapper.config.reads_state else None)
+    cache = bridge.map_cache(source_cache, positions, hidden if bridge.mapper.config.reads_state else None,
+                             stored.mapped if stored else None)
     mask = mask.to(scores.device)
     scored = (mask == 1) & (torch.nn.functional.pad(mask[:, :-1], (1, 0)) == 1)  # a row's first token has no score
     scores = window_mean(scores, scored, bridge.recompute_window)

@@ -46,7 +46,8 @@ MODES = ("mapped", "native", "source")
 
 @torch.no_grad()
 def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, positions: torch.Tensor,
-                     chunk_tokens: int = 1024, state: torch.Tensor | None = None):
+                     chunk_tokens: int = 1024, state: torch.Tensor | None = None,
+                     premapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
     """Source cache → target ``DynamicCache``: remove source RoPE, map, apply target RoPE at ``positions``.
 
     Tokens are mapped in chunks of ``chunk_tokens``; each chunk's GEMMs write straight into one
@@ -55,7 +56,9 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE depends on the
     full length; on CPU once per length, :func:`~kvbridge.rope.rope_factors`); each RoPE is one in-place
     pass over every layer of a chunk. ``state`` (B, T, Hs): the source's final hidden states, for a mapper
-    whose levers read them (``mapper.config.reads_state``).
+    whose levers read them (``mapper.config.reads_state``). ``premapped``: the target's post-RoPE keys and values
+    of a one-row batch's first M tokens, Lt × (1, Ht, M, Dt) each, mapped earlier (:func:`map_block`): copied,
+    and the map runs over the tokens after them only.
     """
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
@@ -70,7 +73,16 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     rotate = token_major(rope_factors(target_model, positions))  # (T, B, 1, 1, Dt) each
     m_dev, lag = mapper.device, mapper.max_lag
     masked = lag > 0 and not plain_positions(positions)  # lags need positions only where some row is padded
-    for t0 in range(0, tokens, chunk_tokens):
+    first = 0
+    if premapped is not None:
+        first = premapped[0][0].shape[2]
+        if batch != 1 or first > tokens or len(premapped[0]) != t_cfg.num_layers:
+            raise InputError(f"premapped K/V cover the first tokens of one row: got {first} tokens of "
+                             f"{len(premapped[0])} layers for a batch of {batch} rows of {tokens} tokens.")
+        for i, (kind, layers) in enumerate(zip(KINDS, premapped)):
+            for view, kv in zip(mapper.layer_views(kind, out[i]), layers):
+                view[:, :, :first].copy_(kv)
+    for t0 in range(first, tokens, chunk_tokens):
         sl = slice(t0, min(t0 + chunk_tokens, tokens))
         src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
         kv = kv_features(src_k, src_v, src, torch.float32)  # (P+T, B, 2, Ls, Hs, Ds), on the source's device
@@ -89,6 +101,27 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
         raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
                              "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
     return make_cache(target_model, mapper.layer_views("key", out[0]), mapper.layer_views("value", out[1]))
+
+
+@torch.no_grad()
+def map_block(source_model, target_model, mapper: Mapper, keys: torch.Tensor, values: torch.Tensor,
+              hidden: torch.Tensor | None, start: int, past: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's post-RoPE keys and values (Lt, T, Ht, Dt) of one prompt's tokens [start, start + T), mapped
+    from the source's post-RoPE ``keys``/``values`` (Ls, P+T, Hs, Ds) and final hidden states ``hidden`` (P+T, S;
+    read when the mapper's levers do) of tokens [start − P, start + T), ``past`` = P (at least the mapper's
+    :attr:`~Mapper.max_lag`, or ``start``): what :func:`map_source_cache` gives these tokens of the whole prompt,
+    since the map reads no token after the one it maps. Map-ahead: a source engine maps each block it stores, so
+    that the target's connector only reads it (``premapped``). The models need only their config and rotary
+    module (:func:`kvbridge.models.load_rope_model`); the target's RoPE must not depend on the prompt's length."""
+    if past < min(mapper.max_lag, start) or past > start or keys.shape != values.shape or keys.dim() != 4:
+        raise InputError(f"map_block needs the {min(mapper.max_lag, start)} tokens before the block for its lags "
+                         f"and K/V of one shape; got past={past} at start={start}, keys {tuple(keys.shape)}.")
+    positions = torch.arange(start - past, start + keys.shape[1] - past, device=keys.device)[None]
+    cache = make_cache(source_model, [k.transpose(0, 1)[None] for k in keys], [v.transpose(0, 1)[None] for v in values])
+    state = hidden[None] if mapper.config.reads_state else None
+    mapped_k, mapped_v = cache_kv(map_source_cache(source_model, target_model, mapper, cache, positions, state=state))
+    return (torch.stack([k[0, :, past:].transpose(0, 1) for k in mapped_k]),
+            torch.stack([v[0, :, past:].transpose(0, 1) for v in mapped_v]))
 
 
 def token_major(factors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,10 +245,12 @@ class Bridge(PromptBatches):
             hidden = torch.cat([hidden, rest], dim=1) if state else None
         return cache, positions, hidden if state else None
 
-    def map_cache(self, source_cache, positions: torch.Tensor, state: torch.Tensor | None = None):
-        """Source cache (and final hidden states, if the mapper reads them) → target ``DynamicCache``."""
+    def map_cache(self, source_cache, positions: torch.Tensor, state: torch.Tensor | None = None,
+                  premapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+        """Source cache (and final hidden states, if the mapper reads them) → target ``DynamicCache``;
+        ``premapped``: the target K/V of the first tokens, mapped ahead (:func:`map_source_cache`)."""
         return map_source_cache(self.source.model, self.target.model, self.mapper, source_cache, positions,
-                                self.chunk_tokens, state)
+                                self.chunk_tokens, state, premapped)
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False, stored: Stored | None = None):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
@@ -223,7 +258,7 @@ class Bridge(PromptBatches):
         to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`.
         ``stored``: the source's own K/V of the prompt's first tokens (warm transfer, :meth:`source_prefill`)."""
         if not self.selects_tokens:
-            return self.map_cache(*self.source_prefill(ids, mask, stored))
+            return self.map_cache(*self.source_prefill(ids, mask, stored), stored.mapped if stored else None)
         return selective_recompute(self, ids, mask, owing, stored)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):

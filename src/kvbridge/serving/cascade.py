@@ -28,6 +28,7 @@ from ..errors import KVBridgeError
 
 WAYS = ("native", "warm", "cold")
 STORED = "vllm:kvbridge_stored_tokens_total"
+PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
 
 
@@ -43,6 +44,7 @@ class CascadeRow:
     warm_connector_ms: float  # median time inside the connector (store, source, map, recompute, cache writes)
     cold_connector_ms: float
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
+    premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
     warm_equals_cold: float  # share of conversations whose escalated answers are identical
     warm_first_token_agreement: float  # with native
     cold_first_token_agreement: float
@@ -160,7 +162,7 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped", "kvbridge_store": way == "warm"}
-                before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, MAP_SECONDS)}
+                before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, PREMAPPED, MAP_SECONDS)}
                 # warm shares the source's salt (its stored blocks are keyed by it); the others keep their own so
                 # that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
@@ -171,6 +173,7 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                                                      - before[MAP_SECONDS])
                 if way == "warm":
                     row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
+                    row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
             if i >= warmup:
                 results.append(row)
@@ -229,13 +232,15 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             warm_connector_ms=statistics.median(r["warm_connector_ms"] for r in results),
             cold_connector_ms=statistics.median(r["cold_connector_ms"] for r in results),
             stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
+            premapped_fraction=statistics.median(r["premapped_tokens"] / n for r, n in zip(results, lengths)),
             warm_equals_cold=sum(r["warm"][1] == r["cold"][1] for r in results) / len(results),
             warm_first_token_agreement=sum(r["warm"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
             cold_first_token_agreement=sum(r["cold"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
             warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
             cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} |
-                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "warm_connector_ms", "cold_connector_ms")}
+                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "warm_connector_ms",
+                                          "cold_connector_ms")}
                        for r in results]
     return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
             "engine_floor_ms": floor,
@@ -245,13 +250,14 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
 
 def cascade_table(report: dict) -> str:
     lines = ["| History tokens | Native TTFT | Warm TTFT | Cold TTFT | **Warm speed-up** | Cold speed-up | Connector "
-             "(warm / cold) | Prefix from the store | Warm = cold | First token = native (warm / cold) | Tokens = "
-             "native (warm / cold) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(warm / cold) | Prefix from the store (mapped ahead) | Warm = cold | First token = native (warm / cold) "
+             "| Tokens = native (warm / cold) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
                      f"{r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | {r['cold_speedup']:.2f}× | "
                      f"{r['warm_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | "
-                     f"{r['stored_fraction']:.0%} | {r['warm_equals_cold']:.0%} | "
+                     f"{r['stored_fraction']:.0%} ({r.get('premapped_fraction', 0):.0%}) | "
+                     f"{r['warm_equals_cold']:.0%} | "
                      f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
                      f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")
     return "\n".join(lines)

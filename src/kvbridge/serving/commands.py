@@ -269,6 +269,16 @@ def _serve_source_parser() -> argparse.ArgumentParser:
         epilog=EPILOG)
     p.add_argument("--source", help="source model (folder or hub id; default: the embedded family's)")
     p.add_argument("--source-revision", help="hub revision of the source")
+    m = p.add_argument_group("map-ahead (each stored block is also mapped into the target's K/V, in a background "
+                             "thread, so that the target's connector reads it instead of mapping it)")
+    m.add_argument("--map-ahead", action="store_true",
+                   help="map ahead with --mapper and --target (default without --source: the embedded family's "
+                        "shipped mapper and target)")
+    m.add_argument("--mapper", help="the mapper the target serves with (folder or hub id; implies --map-ahead)")
+    m.add_argument("--mapper-revision", help="hub revision of the mapper")
+    m.add_argument("--target", help="its target model (folder or hub id: its config and tokenizer are read, not "
+                                    "its weights)")
+    m.add_argument("--target-revision", help="hub revision of the target")
     p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
@@ -279,18 +289,31 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _store_config(args):
-    from .config import StoreConfig
+def _store_config(args, source: str | None = None):
+    """The source engine's store settings; with map-ahead (``source``: the served source's folder) the mapper and
+    target, resolved and checked against the source before vLLM starts."""
+    from .. import family
+    from ..artifact import resolve
+    from .config import ServeConfig, StoreConfig
+    from .server import preflight, resolve_model
 
     if not args.store_cap_gb > 0:
         raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
-    return StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30))
+    store = StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30))
+    if source is None or not (getattr(args, "map_ahead", False) or args.mapper or args.target):
+        return store
+    mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
+    target = resolve_model(args.target, args.target_revision) if args.target else family.target_path()
+    preflight(ServeConfig(mapper=mapper, source=source, target=target))  # one line, before vLLM loads anything
+    return StoreConfig(store=store.store, cap_bytes=store.cap_bytes, mapper=mapper, target=target)
 
 
 def _cmd_serve_source(args) -> int:
     from .. import family
     from .server import resolve_model, serve_source
 
+    if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
+        raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
     if args.source:
         source = resolve_model(args.source, args.source_revision)
         name = args.source if not Path(args.source).exists() else Path(args.source).name
@@ -298,7 +321,7 @@ def _cmd_serve_source(args) -> int:
         source, name = family.source_path(), "kvbridge-family-source"
         if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
             args.vllm_args += ["--chat-template", family.chat_template_path()]
-    return serve_source(_store_config(args), source, args.served_model_name or name, args.host, args.port,
+    return serve_source(_store_config(args, source), source, args.served_model_name or name, args.host, args.port,
                         args.vllm_args)
 
 
@@ -316,6 +339,9 @@ def _cascade_parser() -> argparse.ArgumentParser:
     add_pair(p)
     p.add_argument("--store", default=default_store(), help="the shared KV store (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0, help="the store's size cap (default: 2)")
+    p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
+                   help="the source engine stores its K/V only; the target maps them when a turn escalates "
+                        "(default: the source engine also maps each stored block ahead, in a background thread)")
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
@@ -327,9 +353,12 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
     store = ["--store", str(Path(args.store).resolve())]
     source = store + ["--store-cap-gb", str(args.store_cap_gb)]
     target = list(store)
-    for flag in ("source", "source_revision"):
+    ahead = ("mapper", "mapper_revision", "target", "target_revision") if getattr(args, "map_ahead", False) else ()
+    for flag in ("source", "source_revision") + ahead:
         if getattr(args, flag):
             source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if ahead:
+        source.append("--map-ahead")
     for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
                  "recompute", "connector_device", "connector_dtype"):
         value = getattr(args, flag)
@@ -378,6 +407,9 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=16, help="tokens of each escalated answer (default: 16)")
     p.add_argument("--store", help="the store the started servers share (default: a new temporary folder)")
     p.add_argument("--store-cap-gb", type=float, default=2.0, help="its size cap (default: 2)")
+    p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
+                   help="the started source server stores its K/V only, the target maps them on escalation "
+                        "(default: the source server maps each stored block ahead)")
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")

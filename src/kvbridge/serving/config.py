@@ -110,15 +110,27 @@ class ServeConfig(ExtraConfig):
 class StoreConfig(ExtraConfig):
     """The source engine's connector settings (:mod:`kvbridge.serving.producer`): the ``store`` folder, its
     ``cap_bytes`` (least recently used blocks go beyond it), and the ``source`` checkpoint folder when the engine
-    serves it under another path (its identity is read from it; default: the served model)."""
+    serves it under another path (its identity is read from it; default: the served model). ``mapper`` and
+    ``target`` (folders): map ahead — each stored block is also mapped into the target's K/V, in the background,
+    so that the target's connector reads it instead of mapping it."""
 
     store: str
     cap_bytes: int = 2 << 30
     source: str | None = None
+    mapper: str | None = None
+    target: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.store, str) or not self.store:
             raise InputError(f"kvbridge source connector: store must be a folder, not {self.store!r}.")
+        for name in ("source", "mapper", "target"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or
+                                                    not getattr(self, name)):
+                raise InputError(f"kvbridge source connector: {name} must be a folder, not "
+                                 f"{getattr(self, name)!r}.")
+        if (self.mapper is None) != (self.target is None):
+            raise InputError("kvbridge source connector: map-ahead needs both the mapper and its target (the "
+                             "target's config gives the RoPE the mapped keys carry); pass both or neither.")
         if not isinstance(self.cap_bytes, int) or isinstance(self.cap_bytes, bool) or self.cap_bytes < 1:
             raise InputError(f"kvbridge source connector: cap_bytes must be a positive integer, not "
                              f"{self.cap_bytes!r}.")

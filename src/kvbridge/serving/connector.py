@@ -53,6 +53,11 @@ from .config import (
 
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
 STATUSES = ("mapped", "cached", "native", "short", "fallback")
+# counters beside them: name -> /metrics documentation
+COUNTS = {"stored_tokens": "prompt tokens mapped from the source engine's stored K/V (warm transfer: no source "
+                           "prefill)",
+          "premapped_tokens": "prompt tokens whose target K/V the source engine mapped ahead (read, not mapped)",
+          "store_refused": "source KV store entries refused (another source model or map, torn or corrupted)"}
 
 
 @dataclass
@@ -77,9 +82,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
 @dataclass
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``), map time, prefix tokens
-    read from the store, and why a store entry was refused (None: none was)."""
+    read from the store, why a store entry was refused (None: none was), and prefix tokens whose target K/V the
+    source engine had mapped ahead."""
 
-    outcomes: dict[str, tuple[str, float, int, str | None]] = field(default_factory=dict)
+    outcomes: dict[str, tuple[str, float, int, str | None, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
@@ -93,15 +99,15 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class KVBridgeStats(KVConnectorStats):
-    """Request counts by outcome, the map's time, prefix tokens read from the source's KV store and store entries
-    refused, since the last interval (vLLM logs and exports them)."""
+    """Request counts by outcome, the map's time, prefix tokens read from the source's KV store (and of them, mapped
+    ahead) and store entries refused, since the last interval (vLLM logs and exports them)."""
 
     def __post_init__(self):
         if not self.data:
             self.reset()
 
     def reset(self):
-        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, "stored_tokens": 0, "store_refused": 0}
+        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, **{c: 0 for c in COUNTS}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -110,7 +116,7 @@ class KVBridgeStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1),
-                "stored_tokens": self.data.get("stored_tokens", 0), "store_refused": self.data.get("store_refused", 0)}
+                **{c: self.data.get(c, 0) for c in COUNTS}}
 
     def is_empty(self) -> bool:
         return not any(self.data.get(s) for s in STATUSES)
@@ -118,7 +124,8 @@ class KVBridgeStats(KVConnectorStats):
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total``,
-    ``vllm:kvbridge_stored_tokens_total`` and ``vllm:kvbridge_store_refused_total``."""
+    ``vllm:kvbridge_stored_tokens_total``, ``vllm:kvbridge_premapped_tokens_total`` and
+    ``vllm:kvbridge_store_refused_total``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -126,16 +133,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                      "(mapped, native, short, fallback)", labelnames=[*labelnames, "outcome"])
         seconds = self._counter_cls(name="vllm:kvbridge_map_seconds", documentation="time the kvbridge connector "
                                     "spent building mapped caches", labelnames=labelnames)
-        stored = self._counter_cls(name="vllm:kvbridge_stored_tokens", documentation="prompt tokens mapped from the "
-                                   "source engine's stored K/V (warm transfer: no source prefill)",
-                                   labelnames=labelnames)
-        refused = self._counter_cls(name="vllm:kvbridge_store_refused", documentation="source KV store entries "
-                                    "refused (another source model, torn or corrupted)", labelnames=labelnames)
+        counters = {c: self._counter_cls(name=f"vllm:kvbridge_{c}", documentation=doc, labelnames=labelnames)
+                    for c, doc in COUNTS.items()}
         self._requests = {(e, s): requests.labels(*values, s) for e, values in per_engine_labelvalues.items()
                           for s in STATUSES}
         self._seconds = {e: seconds.labels(*values) for e, values in per_engine_labelvalues.items()}
-        self._stored = {e: stored.labels(*values) for e, values in per_engine_labelvalues.items()}
-        self._refused = {e: refused.labels(*values) for e, values in per_engine_labelvalues.items()}
+        self._counts = {(e, c): counter.labels(*values) for e, values in per_engine_labelvalues.items()
+                        for c, counter in counters.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for status in STATUSES:
@@ -143,10 +147,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self._requests[(engine_idx, status)].inc(transfer_stats_data[status])
         if transfer_stats_data.get("map_ms"):
             self._seconds[engine_idx].inc(transfer_stats_data["map_ms"] / 1000)
-        if transfer_stats_data.get("stored_tokens"):
-            self._stored[engine_idx].inc(transfer_stats_data["stored_tokens"])
-        if transfer_stats_data.get("store_refused"):
-            self._refused[engine_idx].inc(transfer_stats_data["store_refused"])
+        for c in COUNTS:
+            if transfer_stats_data.get(c):
+                self._counts[(engine_idx, c)].inc(transfer_stats_data[c])
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -198,16 +201,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._decided: dict[str, tuple[str, int, int]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._map_ms: dict[str, float] = {}
-        self._stored: dict[str, int] = {}  # request id -> prefix tokens mapped from the source's stored K/V
+        self._stored: dict[str, tuple[int, int]] = {}  # request id -> prefix tokens from the store, mapped ahead
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
         self._stats = KVBridgeStats()
         # worker side
         self._bridge = None
         self._layers: list[tuple[int, Any]] | None = None
         self._failed_blocks: set[int] = set()
-        self._outcomes: dict[str, tuple[str, float, int, str | None]] = {}
+        self._outcomes: dict[str, tuple[str, float, int, str | None, int]] = {}
         self._store = None  # the source engine's KV store, once it exists
         self._identity: str | None = None
+        self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
 
@@ -237,8 +241,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
             info = bridge.source.info
             self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
                                       info.head_dim, source_hidden_size(bridge.source.model))
-            logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill "
-                        "(warm transfer)", self.config.store)
+            from ..artifact import CHECKSUMS_FILE
+            from .store import map_identity, target_description
+
+            checksums = (Path(self.config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
+            self._map_id = map_identity(self._identity, checksums, target_description(bridge.target.info))
+            logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill, "
+                        "or read where the source engine mapped them ahead (warm transfer)", self.config.store)
         return bridge
 
     def store(self):
@@ -268,16 +277,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @torch.no_grad()
     def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool = True):
-        """``(keys, values, stored tokens, refusal)``: post-RoPE target K/V (T, H, D) per layer for ``token_ids``, from
-        the source and the mapper (and the target's recompute of the chosen tokens): what
+        """``(keys, values, stored tokens, refusal, premapped tokens)``: post-RoPE target K/V (T, H, D) per layer for
+        ``token_ids``, from the source and the mapper (and the target's recompute of the chosen tokens): what
         :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
         the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest only;
-        ``refusal`` says why a store entry was skipped (None: none was)."""
+        of that prefix, the blocks the source engine mapped ahead are read, not mapped. ``refusal`` says why a
+        store entry was skipped (None: none was)."""
         from ..models import cache_kv
         from ..recompute import Stored
 
         ids = torch.tensor([token_ids], dtype=torch.long)
-        tokens, refusal, cache = 0, None, None
+        tokens, refusal, cache, premapped = 0, None, None, 0
         if use_store and self.config.store:
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
@@ -287,14 +297,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
                     tokens, refusal = found.tokens, found.reason
                     if found.tokens:
-                        stored = Stored(found.tokens, found.keys, found.values, found.hidden)
+                        ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
+                                             found.tokens, map_id=self._map_id)
+                        refusal = refusal or ahead.reason
+                        mapped = (ahead.keys, ahead.values) if ahead.tokens else None
+                        stored = Stored(found.tokens, found.keys, found.values, found.hidden, mapped)
                         cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+                        premapped = ahead.tokens
             except Exception as exc:
-                tokens, refusal = 0, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                tokens, premapped = 0, 0
+                refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if cache is None:
             cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
         keys, values = cache_kv(cache)
-        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values], tokens, refusal
+        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values], tokens, refusal, premapped
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -302,9 +318,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
-            stored, refused = 0, None
+            stored, refused, premapped = 0, None, 0
             try:
-                stored, refused = self._write(forward_context, load)
+                stored, refused, premapped = self._write(forward_context, load)
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -312,13 +328,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 logger.warning("kvbridge connector: request %s falls back to a native prefill (%s)",
                                load.request_id, status[len("fallback: "):])
             if refused:
-                logger.warning("kvbridge connector: request %s: a stored source block was refused (%s); the source "
-                               "prefilled from there", load.request_id, refused)
-            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused)
+                logger.warning("kvbridge connector: request %s: a store entry was refused (%s); what it held was "
+                               "computed instead", load.request_id, refused)
+            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused,
+                                               premapped)
 
-    def _write(self, forward_context, load: Load) -> tuple[int, str | None]:
+    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int]:
         layers = self._attention_layers(forward_context)
-        keys, values, stored, refused = self.map_prompt(load.token_ids[:load.end], load.salt, load.use_store)
+        keys, values, stored, refused, premapped = self.map_prompt(load.token_ids[:load.end], load.salt,
+                                                                   load.use_store)
         pos = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -327,7 +345,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             k, v = (x[load.start:load.end].to(kv_cache.device, kv_cache.dtype).contiguous()
                     for x in (keys[index], values[index]))
             layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
-        return stored, refused
+        return stored, refused, premapped
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done in start_load_kv
@@ -414,14 +432,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        for rid, (status, ms, stored, refused) in getattr(meta, "outcomes", {}).items():
+        for rid, (status, ms, stored, refused, premapped) in getattr(meta, "outcomes", {}).items():
             self._stats.data["map_ms"] += ms
             self._stats.data["stored_tokens"] += stored
+            self._stats.data["premapped_tokens"] += premapped
             self._stats.data["store_refused"] += int(refused is not None)
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = ms
-                self._stored[rid] = stored
+                self._stored[rid] = (stored, premapped)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -436,7 +455,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if status == "mapped":
             params["kvbridge_mapped_tokens"] = tokens
             if stored is not None and self.config.store:
-                params["kvbridge_stored_tokens"] = stored
+                params["kvbridge_stored_tokens"], params["kvbridge_premapped_tokens"] = stored
         if ms is not None:
             params["kvbridge_map_ms"] = round(ms, 2)
         return False, params

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,11 @@ from vllm.logger import init_logger
 
 from ..errors import UnsupportedModelError
 from .config import StoreConfig
-from .store import KVStore, chain_seed, next_key
+from .store import KVStore, chain_seed, map_identity, next_key
 
 logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
+LAG_TAILS = 4096  # map-ahead: the last source tokens of this many recent blocks, for the lags of the block after
 
 
 @dataclass
@@ -78,6 +80,39 @@ class Pending:
     hidden: list[torch.Tensor] = field(default_factory=list)  # each (n, S)
     end: int = 0
     broken: bool = False  # a block of its chain was dropped: the blocks after it could never be reached
+
+
+@dataclass
+class MapAhead:
+    """What the writer needs to map each stored block: the mapper, the source's and the target's config and
+    rotary module (no weights: :func:`kvbridge.models.load_rope_model`), the map's identity."""
+
+    mapper: Any
+    source: Any
+    target: Any
+    map_id: str
+
+
+def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device: str) -> MapAhead:
+    """Load and check the map-ahead parts: the mapper must be fitted for this source (and its ``config.target``),
+    the target's RoPE must not depend on a prompt's length (a block is mapped before the prompt's end is known)."""
+    from ..artifact import CHECKSUMS_FILE
+    from ..mapper import Mapper
+    from ..models import load_rope_model
+    from ..rope import rotary_module
+    from .store import target_description
+
+    mapper = Mapper.from_pretrained(config.mapper, device=device)
+    source = load_rope_model(source_dir, device=device, dtype=mapper.dtype)
+    target = load_rope_model(config.target, device=device, dtype=mapper.dtype)
+    mapper.check_models(source.info, target.info)
+    if getattr(rotary_module(target.model), "rope_type", None) == "dynamic":
+        raise UnsupportedModelError("kvbridge source connector: the target's RoPE is 'dynamic' (its frequencies "
+                                    "depend on the prompt's length), so a block cannot be mapped before the prompt "
+                                    "ends; serve the source without --mapper (the target's connector maps it).")
+    checksums = (Path(config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
+    return MapAhead(mapper, source.model, target.model,
+                    map_identity(source_identity, checksums, target_description(target.info)))
 
 
 def folder_identity(local_dir: str) -> str:
@@ -140,6 +175,12 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self.identity = folder_identity(source)
         self.store = KVStore(self.config.store, block_tokens=self.block_size, cap_bytes=self.config.cap_bytes,
                              create=True)
+        self.map_ahead: MapAhead | None = None
+        if self.config.mapper and role == KVConnectorRole.WORKER:
+            self.map_ahead = map_ahead(self.config, source, self.identity, vllm_config.device_config.device_type)
+        self._lag_tails: OrderedDict[str, tuple] = OrderedDict()  # block key -> its last source tokens (writer)
+        self.premapped = 0  # blocks mapped ahead, and blocks that could not be (no lag context, a failure)
+        self.premap_skipped = 0
         # scheduler side
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, list[str]] = {}  # request id -> chain keys of its full blocks, as far as computed
@@ -159,9 +200,11 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
             self._model_hook = torch.nn.modules.module.register_module_forward_hook(self._find_model,
                                                                                     with_kwargs=True)
-            logger.info("kvbridge source connector: storing %s-token blocks of %s in %s (cap %.1f GiB)",
+            logger.info("kvbridge source connector: storing %s-token blocks of %s in %s (cap %.1f GiB)%s",
                         self.block_size, self.config.source or vllm_config.model_config.model, self.config.store,
-                        self.store.cap_bytes / 2**30)
+                        self.store.cap_bytes / 2**30,
+                        f"; mapping each into {self.config.target}'s K/V with {self.config.mapper} (map-ahead, one "
+                        f"thread)" if self.map_ahead else "")
 
     # -- scheduler side ------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -326,7 +369,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             if pend is not None and pend.end > pend.start and not pend.broken:  # the partial block it ended with
                 ids, hidden = torch.cat(pend.ids), torch.cat(pend.hidden)
                 self._queue_block((pend.parent, pend.parent, ids.tolist(), torch.cat(pend.keys, dim=1),
-                                   torch.cat(pend.values, dim=1), hidden, True))
+                                   torch.cat(pend.values, dim=1), hidden, True, pend.start))
         if step is None or "hidden" not in step or len(step["kv"]) != len(self._layers):
             return
         layers = sorted(step["kv"])
@@ -362,7 +405,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             key = next_key(pend.parent, block)
             if not pend.broken:
                 pend.broken = not self._queue_block((key, pend.parent, block, keys[:, :bs], values[:, :bs],
-                                                     hidden[:bs], False))
+                                                     hidden[:bs], False, pend.start))
             pend.parent, pend.start = key, pend.start + bs
             ids, hidden, keys, values = ids[bs:], hidden[bs:], keys[:, bs:], values[:, bs:]
         pend.ids, pend.hidden, pend.keys, pend.values = [ids], [hidden], [keys], [values]
@@ -380,16 +423,20 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         return True
 
     def _writer(self) -> None:
+        if self.map_ahead is not None and self._vllm_config.device_config.device_type == "cpu":
+            torch.set_num_threads(1)  # this thread's own OpenMP team: map-ahead takes one core, not the engine's
         while True:
             size, item = self._queue.get()
             try:
                 if item[0] == "touch":
-                    self.store.touch(item[1])
+                    self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
-                    key, parent, block, keys, values, hidden, tail = item
+                    key, parent, block, keys, values, hidden, tail, start = item
                     if not self.store.put(key, parent, self.identity, block, keys.clone(), values.clone(),
                                           hidden.clone(), tail=tail):
                         self.dropped += 1
+                    elif self.map_ahead is not None:
+                        self._premap(key, parent, block, keys, values, hidden, tail, start)
             except Exception as exc:  # a store that fails must not stop the writer
                 self.dropped += 1
                 logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
@@ -397,6 +444,42 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 with self._queued_lock:
                     self._queued_bytes -= size
                 self._queue.task_done()
+
+    def _premap(self, key: str, parent: str, block: list[int], keys, values, hidden, tail: bool, start: int) -> None:
+        """Map one stored block into the target's K/V and store that beside it (writer thread). Its lags read the
+        last source tokens of the block before: kept from that block's own turn, else read from the store; when
+        neither has them the block is not mapped ahead (the target's connector maps it from the source entry)."""
+        from ..transfer import map_block
+
+        ahead = self.map_ahead
+        lag = min(ahead.mapper.max_lag, start)
+        try:
+            if lag:
+                before = self._lag_tails.get(parent)
+                if before is None:
+                    got = self.store.get(self.store.path(parent), self.identity, None)
+                    before = (got["key"], got["value"], got["hidden"]) if isinstance(got, dict) else None
+                if before is None:
+                    self.premap_skipped += 1
+                    return
+                keys, values = (torch.cat([b[:, -lag:], x], dim=1) for b, x in zip(before, (keys, values)))
+                hidden = torch.cat([before[2][-lag:], hidden])
+            device = ahead.mapper.device
+            mapped_k, mapped_v = map_block(ahead.source, ahead.target, ahead.mapper, keys.to(device),
+                                           values.to(device), hidden.to(device), start, lag)
+            if not self.store.put(key, parent, ahead.map_id, block, mapped_k.cpu(), mapped_v.cpu(), None, tail=tail,
+                                  map_id=ahead.map_id):
+                self.premap_skipped += 1
+                return
+            self.premapped += 1
+            if not tail and ahead.mapper.max_lag:
+                keep = ahead.mapper.max_lag
+                self._lag_tails[key] = (keys[:, -keep:], values[:, -keep:], hidden[-keep:])
+                while len(self._lag_tails) > LAG_TAILS:
+                    self._lag_tails.popitem(last=False)
+        except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
+            self.premap_skipped += 1
+            logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
 
     def flush(self) -> None:
         """Wait until every queued block is written (tests, shutdown)."""

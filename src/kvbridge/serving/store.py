@@ -46,6 +46,7 @@ from ..errors import InputError
 from ..hashing import sha256_bytes, sha256_json
 
 FORMAT = "kvbridge-source-kv"
+MAPPED_FORMAT = "kvbridge-mapped-kv"  # a block's target K/V, mapped ahead by the source engine (map-ahead)
 VERSION = 1
 STORE_FILE = "store.json"
 DEFAULT_CAP = 2 << 30  # 2 GiB
@@ -59,6 +60,20 @@ def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int,
     store's format. Entries of another model, revision, tokenizer or format never match."""
     return sha256_json({"format": FORMAT, "version": VERSION, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
                         "geometry": [num_layers, num_kv_heads, head_dim, hidden_size]})[:32]
+
+
+def map_identity(source_identity: str, mapper_checksums: str, target: dict) -> str:
+    """The map a mapped entry holds: the source's store identity, the mapper's checksums file (its weights and
+    mapper.json: selection, levers, both models' fingerprints and RoPE) and the target's KV geometry and RoPE as
+    the mapping process read them (``target``). Entries of another mapper or target never match."""
+    return sha256_json({"format": MAPPED_FORMAT, "version": VERSION, "source": source_identity,
+                        "mapper": mapper_checksums, "target": target})[:32]
+
+
+def target_description(info) -> dict:
+    """What of the target (a :class:`kvbridge.models.ModelInfo`) the mapped keys and values depend on beyond the
+    mapper: its KV geometry and RoPE."""
+    return {"geometry": [info.num_layers, info.num_kv_heads, info.head_dim], "rope": info.rope.to_dict()}
 
 
 def chain_seed(identity_: str, salt: str | None) -> str:
@@ -152,20 +167,24 @@ class KVStore:
 
     # -- writing ---------------------------------------------------------------------------------
     def put(self, key: str, parent: str, identity_: str, ids: list[int], keys: torch.Tensor, values: torch.Tensor,
-            hidden: torch.Tensor, tail: bool = False) -> bool:
+            hidden: torch.Tensor | None, tail: bool = False, map_id: str | None = None) -> bool:
         """Write one block's entry atomically; False (nothing left behind) when it cannot be written. ``tail``: the
-        partial block a request ended with, kept under its ``parent`` (the latest one wins)."""
+        partial block a request ended with, kept under its ``parent`` (the latest one wins). ``map_id``: the entry
+        holds the block's target K/V mapped by that map (:func:`map_identity`; ``hidden`` None) beside its source
+        entry; ``identity_`` is then ``map_id``."""
         from safetensors.torch import save
 
-        path = self.tail_path(parent) if tail else self.path(key)
+        path = self.mapped_path(parent if tail else key, map_id, tail) if map_id else \
+            self.tail_path(parent) if tail else self.path(key)
         if not tail and path.exists():  # the same block of the same model: already stored
             os.utime(path)
             return True
-        tensors = {"key": keys.contiguous(), "value": values.contiguous(), "hidden": hidden.contiguous(),
-                   "ids": torch.tensor(ids, dtype=torch.int64)}
+        tensors = {"key": keys.contiguous(), "value": values.contiguous(), "ids": torch.tensor(ids, dtype=torch.int64)}
+        if not map_id:
+            tensors["hidden"] = hidden.contiguous()
         crc = zlib.crc32(_sections(save(tensors))[1])  # the data section does not depend on the metadata
-        meta = {"format": FORMAT, "version": str(VERSION), "identity": identity_, "parent": parent, "key": key,
-                "crc32": f"{crc:08x}"}
+        meta = {"format": MAPPED_FORMAT if map_id else FORMAT, "version": str(VERSION), "identity": identity_,
+                "parent": parent, "key": key, "crc32": f"{crc:08x}"}
         data = save(tensors, metadata=meta)
         tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -182,6 +201,10 @@ class KVStore:
     def tail_path(self, parent: str) -> Path:
         return self.root / "entries" / parent[:2] / f"{parent}.tail.safetensors"
 
+    def mapped_path(self, key: str, map_id: str, tail: bool = False) -> Path:
+        """A block's mapped entry (``key``: the block's; for a tail, its parent's) beside its source entry."""
+        return self.root / "entries" / key[:2] / f"{key}{'.tail' if tail else ''}.{map_id[:16]}.mapped.safetensors"
+
     def _grew(self, nbytes: int) -> None:
         with self._lock:
             self._writes += 1
@@ -192,13 +215,15 @@ class KVStore:
             if self._estimate > self.cap_bytes:
                 self._estimate = self.evict(self.cap_bytes * 9 // 10)  # some room, so that not every write scans
 
-    def touch(self, keys: list[str]) -> None:
-        """Mark these blocks used now (a request read them from the engine's own prefix cache)."""
+    def touch(self, keys: list[str], map_id: str | None = None) -> None:
+        """Mark these blocks used now (a request read them from the engine's own prefix cache), and their mapped
+        entries of ``map_id``."""
         for key in keys:
-            try:
-                os.utime(self.path(key))
-            except OSError:
-                pass
+            for path in (self.path(key), self.mapped_path(key, map_id)) if map_id else (self.path(key),):
+                try:
+                    os.utime(path)
+                except OSError:
+                    pass
 
     def discard(self, path: Path) -> None:
         """Remove an entry a reader refused as damaged, so that the writer stores the block again."""
@@ -247,9 +272,11 @@ class KVStore:
         return total
 
     # -- reading ---------------------------------------------------------------------------------
-    def get(self, path: Path, identity_: str, ids: list[int] | None) -> dict[str, torch.Tensor] | str | None:
+    def get(self, path: Path, identity_: str, ids: list[int] | None, mapped: bool = False
+            ) -> dict[str, torch.Tensor] | str | None:
         """One entry's tensors; None when absent; a reason (str) when the entry is refused. ``ids``: the token ids
-        it must hold (None: a tail, whose ids the caller compares)."""
+        it must hold (None: a tail, whose ids the caller compares). ``mapped``: a mapped entry (``identity_``: its
+        map identity)."""
         from safetensors.torch import load
 
         try:
@@ -265,10 +292,10 @@ class KVStore:
         except (ValueError, UnicodeDecodeError, AttributeError, AssertionError):
             self.discard(path)
             return "torn or not an entry (no safetensors header)"
-        if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+        if meta.get("format") != (MAPPED_FORMAT if mapped else FORMAT) or meta.get("version") != str(VERSION):
             return f"another format ({meta.get('format')} {meta.get('version')})"
         if meta.get("identity") != identity_:
-            return "written by another source model (identity differs)"
+            return f"written by another {'map' if mapped else 'source model'} (identity differs)"
         if self.verify and meta.get("crc32") != f"{zlib.crc32(data):08x}":
             self.discard(path)
             return "corrupted (CRC-32 differs)"
@@ -277,11 +304,12 @@ class KVStore:
         except Exception as exc:  # safetensors raises its own error types for a malformed file
             self.discard(path)
             return f"unreadable entry ({type(exc).__name__})"
-        if set(tensors) != {"key", "value", "hidden", "ids"} or (ids is not None and tensors["ids"].tolist() != ids):
+        names = {"key", "value", "ids"} | (set() if mapped else {"hidden"})
+        if set(tensors) != names or (ids is not None and tensors["ids"].tolist() != ids):
             return "another token block under this key"
         n = tensors["ids"].numel()
         if tensors["key"].shape != tensors["value"].shape or tensors["key"].dim() != 4 or \
-                tensors["key"].shape[1] != n or tensors["hidden"].shape[0] != n:
+                tensors["key"].shape[1] != n or (not mapped and tensors["hidden"].shape[0] != n):
             self.discard(path)
             return "inconsistent shapes"
         try:
@@ -290,20 +318,23 @@ class KVStore:
             pass
         return tensors
 
-    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int) -> Found:
+    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None) -> Found:
         """The longest stored prefix of ``ids`` within its first ``limit`` tokens: full blocks while they are
         stored, then the part of a request's final partial block (a tail) that matches; the first missing or
-        refused entry ends it (the rest must be computed)."""
+        refused entry ends it (the rest must be computed). ``map_id``: the mapped entries of that map along the
+        same chain (``seed`` and ``identity_`` stay the source's; ``hidden`` is then None)."""
         found = Found(0)
         parts: list[dict[str, torch.Tensor]] = []
         parent = seed
         bt = self.block_tokens
         limit = min(limit, len(ids))
         start = 0
+        mapped = map_id is not None
         while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
             block = ids[start:start + bt]
             key = next_key(parent, block)
-            got = self.get(self.path(key), identity_, block)
+            got = self.get(self.mapped_path(key, map_id), map_id, block, True) if mapped else \
+                self.get(self.path(key), identity_, block)
             if isinstance(got, str):
                 found.refused, found.reason = 1, got
             if not isinstance(got, dict):
@@ -311,7 +342,8 @@ class KVStore:
             parts.append(got)
             parent, start = key, start + bt
         if not found.refused and start < limit:
-            tail = self.get(self.tail_path(parent), identity_, None)
+            tail = self.get(self.mapped_path(parent, map_id, True), map_id, None, True) if mapped else \
+                self.get(self.tail_path(parent), identity_, None)
             if isinstance(tail, str):
                 found.refused, found.reason = 1, tail
             elif tail is not None:
@@ -327,5 +359,6 @@ class KVStore:
             values = torch.cat([p["value"] for p in parts], dim=1)[:, :n]
             found.keys = list(keys.transpose(1, 2)[:, None].unbind(0))  # L × (1, H, T, D)
             found.values = list(values.transpose(1, 2)[:, None].unbind(0))
-            found.hidden = torch.cat([p["hidden"] for p in parts], dim=0)[None, :n]  # (1, T, S)
+            if not mapped:
+                found.hidden = torch.cat([p["hidden"] for p in parts], dim=0)[None, :n]  # (1, T, S)
         return found
