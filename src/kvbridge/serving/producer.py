@@ -9,7 +9,9 @@ the model's final hidden state at that token; each time a request's tokens fill 
 (the engine's own block size, so that the engine's prefix-cache hits — whole blocks — are always blocks some
 earlier request stored), the block is written to the :class:`~kvbridge.serving.store.KVStore` by a background
 thread. The target's engine (:mod:`kvbridge.serving.connector`) then maps stored blocks instead of running the
-source again: the map alone replaces the target's prefill.
+source again: the map alone replaces the target's prefill. With map-ahead (``StoreConfig.mapper`` and ``target``),
+the writer thread also maps each block it stores (:func:`kvbridge.transfer.map_block`) and stores the target's K/V
+beside it: the target's connector then reads the block instead of mapping it.
 
 What it observes, and how, without a fork of vLLM: the keys and values reach it through the attention backend's own
 cache-update call (``impl.do_kv_cache_update``, wrapped once per layer: the paged layout stays the backend's

@@ -20,9 +20,13 @@ as much of it as the prompt shares — the end of an answer the source generated
 An entry (``entries/<key[:2]>/<key>.safetensors``) holds the block's post-RoPE keys and values as the source engine
 computed them (``key``, ``value``: (L, T, H, D)), the source's final hidden state at each token (``hidden``:
 (T, S): what the recompute criterion and state levers read), the token ids, and in its metadata the identity, the
-parent key and a CRC-32 of its data section. Writes go to a temporary file renamed into place, so a killed writer or a
-full disk never leaves a partial entry under a key; a reader checks identity, token ids, shapes and the CRC and
-skips (and counts) an entry that fails any of them. The store never grows past ``cap_bytes``: each writer evicts
+parent key and a CRC-32 of its data section. With map-ahead, the source engine also stores the block's target K/V
+as a mapper maps them (``<key>.<map[:16]>.mapped.safetensors``: ``key``, ``value`` (Lt, T, Ht, Dt) post-RoPE, the
+ids; its identity is :func:`map_identity`), read by the target's connector instead of mapping the block.
+
+Writes go to a temporary file renamed into place, so a killed writer or a full disk never leaves a partial entry
+under a key; a reader checks identity, token ids, shapes and the CRC and skips (and counts) an entry that fails any
+of them. The store never grows past ``cap_bytes``: each writer evicts
 the least recently used entries (readers touch what they read) once the total would pass it.
 
 The folder is all the state there is: both engines on one machine share it (``/dev/shm`` keeps it in memory); a
