@@ -282,3 +282,19 @@ def argparse_cascade(argv):
     args, rest = _cascade_parser().parse_known_args(argv)
     args.vllm_args = rest
     return args
+
+
+def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):
+    import json
+
+    from kvbridge.errors import UnsupportedModelError
+    from kvbridge.serving.config import check_map_ahead
+
+    folder = tmp_path / "mapper"
+    shutil.copytree(family.mapper_path(), folder)
+    check_map_ahead(str(folder))  # the family's YaRN: a pure function of position
+    config = json.loads((folder / "mapper.json").read_text())
+    config["target"]["rope"]["rope_type"] = "dynamic"
+    (folder / "mapper.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="target's RoPE is 'dynamic'"):
+        check_map_ahead(str(folder))

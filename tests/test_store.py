@@ -166,8 +166,10 @@ def test_mapped_entries_are_read_per_map_and_refused_for_another(tmp_path):
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     ids = list(range(1, 20))
     fill(store, ids)
-    ours, theirs = map_identity(ME, "checksums A", {"t": 1}), map_identity(ME, "checksums B", {"t": 1})
-    assert ours != theirs != map_identity(ME, "checksums A", {"t": 2})
+    f32 = torch.float32
+    ours, theirs = map_identity(ME, "checksums A", {"t": 1}, f32), map_identity(ME, "checksums B", {"t": 1}, f32)
+    assert len({ours, theirs, map_identity(ME, "checksums A", {"t": 2}, f32),
+                map_identity(ME, "checksums A", {"t": 1}, torch.bfloat16)}) == 4
     mapped = torch.randn(2, 3, 19, 2, 4)  # (K/V, target layers, tokens, heads, dim)
     parent = chain_seed(ME, None)
     for start in (0, 8):

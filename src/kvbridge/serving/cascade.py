@@ -9,11 +9,12 @@ computes the held-back tokens and answers.
 
 ``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
 the source answers, then an escalated third turn sent to the target three ways, one after another and in rotating
-order — native (the target re-prefills the whole history), warm (mapped from the stored source KV) and cold
-(mapped from a fresh source prefill inside the connector, ``kvbridge_store: false``) — with each request's time to
-its first streamed token, and the escalated answers compared token by token. A fourth request, native again with
-the native way's salt, finds the whole history in the target's own prefix cache: the time to first token of a
-switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this engine.
+order — native (the target re-prefills the whole history), warm (from the stored source KV, mapped ahead unless
+``--no-map-ahead``) and cold (mapped from a fresh source prefill inside the connector, ``kvbridge_store: false``) —
+with each request's time to its first streamed token, and the escalated answers compared token by token. A fourth
+request, native again with the native way's salt, finds the whole history in the target's own prefix cache: the
+time to first token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this
+engine.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                 row[f"{way}_connector_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, MAP_SECONDS)
                                                      - before[MAP_SECONDS])
                 if way == "native":  # the same request again: the history is in the target's prefix cache
-                    row["cached"] = (await _turn(target, target_model, messages, new_tokens, params,
-                                                 f"{salt}-native"))[0], []
+                    row["cached_ms"] = (await _turn(target, target_model, messages, new_tokens, params,
+                                                    f"{salt}-native"))[0]
                 if way == "warm":
                     row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
                     row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
@@ -231,13 +232,14 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
                                            new_tokens, progress))
         native = [r["native"][1] for r in results]
         med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
+        med["cached"] = statistics.median(r["cached_ms"] for r in results)
         lengths = [r["prompt_tokens"] for r in results]
         rows.append(CascadeRow(
             history_tokens=int(statistics.median(lengths)), conversations=len(results),
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
-            cached_ttft_ms=statistics.median(r["cached"][0] for r in results),
+            cached_ttft_ms=med["cached"],
             warm_speedup=med["native"] / med["warm"], cold_speedup=med["native"] / med["cold"],
-            ceiling_speedup=med["native"] / statistics.median(r["cached"][0] for r in results),
+            ceiling_speedup=med["native"] / med["cached"],
             warm_connector_ms=statistics.median(r["warm_connector_ms"] for r in results),
             cold_connector_ms=statistics.median(r["cold_connector_ms"] for r in results),
             stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
@@ -247,7 +249,7 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             cold_first_token_agreement=sum(r["cold"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
             warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
             cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
-        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached"][0]} |
+        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
                        {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "warm_connector_ms",
                                           "cold_connector_ms")}
                        for r in results]
@@ -264,10 +266,11 @@ def cascade_table(report: dict) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         ceiling = f"{r['ceiling_speedup']:.2f}× ({r['cached_ttft_ms']:.1f} ms)" if "ceiling_speedup" in r else "–"
+        ahead = f"{r['premapped_fraction']:.0%}" if "premapped_fraction" in r else "–"  # (older reports lack both)
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
                      f"{r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | {r['cold_speedup']:.2f}× | "
                      f"{ceiling} | {r['warm_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | "
-                     f"{r['stored_fraction']:.0%} ({r.get('premapped_fraction', 0):.0%}) | "
+                     f"{r['stored_fraction']:.0%} ({ahead}) | "
                      f"{r['warm_equals_cold']:.0%} | "
                      f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
                      f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")

@@ -89,7 +89,8 @@ def _serve_parser() -> argparse.ArgumentParser:
                                    "context whose mapped TTFT beat native")
     w = p.add_argument_group("warm transfer (the source engine's stored KV: see kvbridge serve-source)")
     w.add_argument("--store", help="the KV store a `kvbridge serve-source` engine writes: prompt blocks found there "
-                                   "are mapped without a source prefill (default: none, every mapped prefix is cold)")
+                                   "are read where it mapped them ahead, else mapped without a source prefill "
+                                   "(default: none, every mapped prefix is cold)")
     w.add_argument("--no-store-verify", dest="store_verify", action="store_false",
                    help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
                         "4 MB)")
@@ -264,8 +265,9 @@ def _serve_source_parser() -> argparse.ArgumentParser:
         description="Start vLLM's OpenAI-compatible server for the source model, storing its KV as it serves: every "
                     "block of tokens a request computes (prompt or answer) goes to the KV store, keyed by the token "
                     "prefix and the source's identity, so that a target served with `kvbridge serve --store` maps it "
-                    "without a source prefill (warm transfer: cascades, escalation, routing). Serving is unchanged; "
-                    "options kvbridge does not know are passed to `vllm serve`.",
+                    "without a source prefill (warm transfer: cascades, escalation, routing); with a mapper "
+                    "(map-ahead) each stored block is also mapped into the target's K/V, so that the target reads it. "
+                    "Serving is unchanged; options kvbridge does not know are passed to `vllm serve`.",
         epilog=EPILOG)
     p.add_argument("--source", help="source model (folder or hub id; default: the embedded family's)")
     p.add_argument("--source-revision", help="hub revision of the source")
@@ -276,9 +278,12 @@ def _serve_source_parser() -> argparse.ArgumentParser:
                         "shipped mapper and target)")
     m.add_argument("--mapper", help="the mapper the target serves with (folder or hub id; implies --map-ahead)")
     m.add_argument("--mapper-revision", help="hub revision of the mapper")
-    m.add_argument("--target", help="its target model (folder or hub id: its config and tokenizer are read, not "
-                                    "its weights)")
+    m.add_argument("--target", help="its target model (folder or hub id: its config, tokenizer and weights "
+                                    "fingerprint are read; its weights are not loaded)")
     m.add_argument("--target-revision", help="hub revision of the target")
+    m.add_argument("--map-dtype", default="auto",
+                   help="dtype of the map (default: auto: float32 on CPU, bfloat16 on GPU, as the target's "
+                        "connector; the target reads entries of its own --connector-dtype only)")
     p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
@@ -304,8 +309,14 @@ def _store_config(args, source: str | None = None):
         return store
     mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
     target = resolve_model(args.target, args.target_revision) if args.target else family.target_path()
+    from ..models import resolve_dtype
+    from .config import check_map_ahead
+
     preflight(ServeConfig(mapper=mapper, source=source, target=target))  # one line, before vLLM loads anything
-    return StoreConfig(store=store.store, cap_bytes=store.cap_bytes, mapper=mapper, target=target)
+    check_map_ahead(mapper)
+    resolve_dtype(args.map_dtype, "cpu")  # a dtype name kvbridge knows
+    return StoreConfig(store=store.store, cap_bytes=store.cap_bytes, mapper=mapper, target=target,
+                       dtype=args.map_dtype)
 
 
 def _cmd_serve_source(args) -> int:
@@ -331,9 +342,10 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvbridge cascade",
         description="Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
-                    "(it stores its KV as it serves) and `kvbridge serve --store` for the target (it maps the stored "
-                    "KV of a conversation escalated to it, and runs the source only over what is not stored). With "
-                    "no pair, the embedded family and its shipped mapper. Stops both on Ctrl-C.",
+                    "(it stores its KV as it serves, and maps each stored block ahead into the target's K/V) and "
+                    "`kvbridge serve --store` for the target (it reads the stored blocks of a conversation escalated "
+                    "to it, and runs the source and the map only over what is not stored). With no pair, the "
+                    "embedded family and its shipped mapper. Stops both on Ctrl-C.",
         epilog="Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
                + EPILOG)
     add_pair(p)
@@ -359,6 +371,8 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
             source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if ahead:
         source.append("--map-ahead")
+        if args.connector_dtype not in (None, "auto"):
+            source += ["--map-dtype", args.connector_dtype]
     for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
                  "recompute", "connector_device", "connector_dtype"):
         value = getattr(args, flag)
@@ -393,11 +407,12 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
         prog="kvbridge cascade-bench",
         description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
                     "then a third turn escalated to the target three ways — native (the target re-prefills the "
-                    "history), warm (mapped from the source's stored KV) and cold (mapped from a fresh source prefill) "
-                    "— in rotating order; median time to the first streamed token of each, and the escalated answers "
-                    "compared with native's and with each other. Starts `kvbridge cascade`'s two servers (every "
-                    "option this command does not know goes to the target's `kvbridge serve`) or measures running "
-                    "ones (--source-url, --target-url).")
+                    "history), warm (from the source's stored KV, mapped ahead) and cold (mapped from a fresh source "
+                    "prefill) — in rotating order, then native again (a hit in the target's own prefix cache: the "
+                    "ceiling of any transfer); median time to the first streamed token of each, and the escalated "
+                    "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
+                    "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
+                    "running ones (--source-url, --target-url).")
     add_pair(p)
     p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
     p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")

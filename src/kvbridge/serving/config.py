@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 
 MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
@@ -73,7 +73,8 @@ class ServeConfig(ExtraConfig):
     target's transformers copy — its RoPE, its config, its weights for the recompute — sits beside them).
     ``runtime``: overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
     ``store``: the folder of the source engine's KV store (warm transfer: stored blocks of a prompt are mapped
-    without a source prefill); ``store_verify``: check each entry's CRC-32 as it is read.
+    without a source prefill, or read where that engine mapped them ahead); ``store_verify``: check each entry's
+    CRC-32 as it is read.
     """
 
     mapper: str
@@ -112,13 +113,15 @@ class StoreConfig(ExtraConfig):
     ``cap_bytes`` (least recently used blocks go beyond it), and the ``source`` checkpoint folder when the engine
     serves it under another path (its identity is read from it; default: the served model). ``mapper`` and
     ``target`` (folders): map ahead — each stored block is also mapped into the target's K/V, in the background,
-    so that the target's connector reads it instead of mapping it."""
+    so that the target's connector reads it instead of mapping it; ``dtype``: the map's (``auto``: float32 on CPU,
+    bfloat16 on a GPU, as the target's connector; entries of another dtype are not read there)."""
 
     store: str
     cap_bytes: int = 2 << 30
     source: str | None = None
     mapper: str | None = None
     target: str | None = None
+    dtype: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.store, str) or not self.store:
@@ -128,12 +131,29 @@ class StoreConfig(ExtraConfig):
                                                     not getattr(self, name)):
                 raise InputError(f"kvbridge source connector: {name} must be a folder, not "
                                  f"{getattr(self, name)!r}.")
+        if self.mapper is not None and not Path(self.mapper).is_dir():
+            raise InputError(f"kvbridge source connector: mapper must be a mapper folder (a resolved hub snapshot), "
+                             f"not {self.mapper!r}.")
         if (self.mapper is None) != (self.target is None):
             raise InputError("kvbridge source connector: map-ahead needs both the mapper and its target (the "
                              "target's config gives the RoPE the mapped keys carry); pass both or neither.")
         if not isinstance(self.cap_bytes, int) or isinstance(self.cap_bytes, bool) or self.cap_bytes < 1:
             raise InputError(f"kvbridge source connector: cap_bytes must be a positive integer, not "
                              f"{self.cap_bytes!r}.")
+
+
+def check_map_ahead(mapper_dir: str) -> None:
+    """Refuse map-ahead for a pair whose RoPE depends on the prompt's length (``dynamic``): a block is mapped before
+    the prompt's end is known, so its keys would be un-rotated or rotated at other frequencies than the whole
+    prompt's map uses."""
+    from ..mapper import read_config
+
+    config = read_config(mapper_dir)
+    for role, info in (("source", config.source), ("target", config.target)):
+        if info.rope.rope_type == "dynamic":
+            raise UnsupportedModelError(f"map-ahead: the {role}'s RoPE is 'dynamic' (its frequencies depend on the "
+                                        "prompt's length), so a block cannot be mapped before the prompt ends; serve "
+                                        "the source without --mapper (the target's connector maps stored K/V).")
 
 
 def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:

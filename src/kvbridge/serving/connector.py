@@ -57,7 +57,8 @@ STATUSES = ("mapped", "cached", "native", "short", "fallback")
 COUNTS = {"stored_tokens": "prompt tokens mapped from the source engine's stored K/V (warm transfer: no source "
                            "prefill)",
           "premapped_tokens": "prompt tokens whose target K/V the source engine mapped ahead (read, not mapped)",
-          "store_refused": "source KV store entries refused (another source model or map, torn or corrupted)"}
+          "store_refused": "mapped requests whose store lookup refused an entry (another source model or map, "
+                           "torn or corrupted)"}
 
 
 @dataclass
@@ -245,7 +246,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             from .store import map_identity, target_description
 
             checksums = (Path(self.config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
-            self._map_id = map_identity(self._identity, checksums, target_description(bridge.target.info))
+            self._map_id = map_identity(self._identity, checksums, target_description(bridge.target.info),
+                                        bridge.mapper.dtype)
             logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill, "
                         "or read where the source engine mapped them ahead (warm transfer)", self.config.store)
         return bridge

@@ -45,6 +45,7 @@ from .store import KVStore, chain_seed, map_identity, next_key
 logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
 LAG_TAILS = 4096  # map-ahead: the last source tokens of this many recent blocks, for the lags of the block after
+MAP_QUEUE_BYTES = 256 << 20  # stored blocks waiting to be mapped; beyond, blocks are not mapped ahead (logged)
 
 
 @dataclass
@@ -97,24 +98,23 @@ class MapAhead:
 
 def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device: str) -> MapAhead:
     """Load and check the map-ahead parts: the mapper must be fitted for this source (and its ``config.target``),
-    the target's RoPE must not depend on a prompt's length (a block is mapped before the prompt's end is known)."""
+    neither RoPE may depend on a prompt's length. The map runs in ``config.dtype`` (``auto``: the target
+    connector's default on this device), so that its entries equal what that connector would map."""
     from ..artifact import CHECKSUMS_FILE
     from ..mapper import Mapper
-    from ..models import load_rope_model
-    from ..rope import rotary_module
+    from ..models import load_rope_model, resolve_dtype
+    from .config import check_map_ahead
     from .store import target_description
 
-    mapper = Mapper.from_pretrained(config.mapper, device=device)
-    source = load_rope_model(source_dir, device=device, dtype=mapper.dtype)
-    target = load_rope_model(config.target, device=device, dtype=mapper.dtype)
+    check_map_ahead(config.mapper)
+    dtype = resolve_dtype(config.dtype, device)
+    mapper = Mapper.from_pretrained(config.mapper, device=device, dtype=dtype)
+    source = load_rope_model(source_dir, device=device, dtype=dtype)
+    target = load_rope_model(config.target, device=device, dtype=dtype)
     mapper.check_models(source.info, target.info)
-    if getattr(rotary_module(target.model), "rope_type", None) == "dynamic":
-        raise UnsupportedModelError("kvbridge source connector: the target's RoPE is 'dynamic' (its frequencies "
-                                    "depend on the prompt's length), so a block cannot be mapped before the prompt "
-                                    "ends; serve the source without --mapper (the target's connector maps it).")
     checksums = (Path(config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
     return MapAhead(mapper, source.model, target.model,
-                    map_identity(source_identity, checksums, target_description(target.info)))
+                    map_identity(source_identity, checksums, target_description(target.info), dtype))
 
 
 def folder_identity(local_dir: str) -> str:
@@ -180,9 +180,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self.map_ahead: MapAhead | None = None
         if self.config.mapper and role == KVConnectorRole.WORKER:
             self.map_ahead = map_ahead(self.config, source, self.identity, vllm_config.device_config.device_type)
-        self._lag_tails: OrderedDict[str, tuple] = OrderedDict()  # block key -> its last source tokens (writer)
-        self.premapped = 0  # blocks mapped ahead, and blocks that could not be (no lag context, a failure)
-        self.premap_skipped = 0
+        self._lag_tails: OrderedDict[str, tuple] = OrderedDict()  # block key -> its last source tokens (mapper)
         # scheduler side
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, list[str]] = {}  # request id -> chain keys of its full blocks, as far as computed
@@ -197,16 +195,21 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self.dropped = 0
         self._queued_bytes = 0
         self._queued_lock = threading.Lock()
+        self._map_queue: queue.Queue | None = None
+        self._map_bytes = 0
         if role == KVConnectorRole.WORKER:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
+            if self.map_ahead is not None:  # a thread of its own: a slow map never holds back the source's blocks
+                self._map_queue = queue.Queue()
+                threading.Thread(target=self._mapper_loop, name="kvbridge-map-ahead", daemon=True).start()
             self._model_hook = torch.nn.modules.module.register_module_forward_hook(self._find_model,
                                                                                     with_kwargs=True)
             logger.info("kvbridge source connector: storing %s-token blocks of %s in %s (cap %.1f GiB)%s",
                         self.block_size, self.config.source or vllm_config.model_config.model, self.config.store,
                         self.store.cap_bytes / 2**30,
-                        f"; mapping each into {self.config.target}'s K/V with {self.config.mapper} (map-ahead, one "
-                        f"thread)" if self.map_ahead else "")
+                        f"; mapping each into {self.config.target}'s K/V with {self.config.mapper} in "
+                        f"{self.map_ahead.mapper.dtype} (map-ahead)" if self.map_ahead else "")
 
     # -- scheduler side ------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -425,8 +428,6 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         return True
 
     def _writer(self) -> None:
-        if self.map_ahead is not None and self._vllm_config.device_config.device_type == "cpu":
-            torch.set_num_threads(1)  # this thread's own OpenMP team: map-ahead takes one core, not the engine's
         while True:
             size, item = self._queue.get()
             try:
@@ -434,11 +435,11 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
                     key, parent, block, keys, values, hidden, tail, start = item
-                    if not self.store.put(key, parent, self.identity, block, keys.clone(), values.clone(),
-                                          hidden.clone(), tail=tail):
+                    keys, values, hidden = keys.clone(), values.clone(), hidden.clone()  # not views of the step's
+                    if not self.store.put(key, parent, self.identity, block, keys, values, hidden, tail=tail):
                         self.dropped += 1
-                    elif self.map_ahead is not None:
-                        self._premap(key, parent, block, keys, values, hidden, tail, start)
+                    elif self._map_queue is not None:
+                        self._queue_map((key, parent, block, keys, values, hidden, tail, start), size)
             except Exception as exc:  # a store that fails must not stop the writer
                 self.dropped += 1
                 logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
@@ -447,46 +448,69 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                     self._queued_bytes -= size
                 self._queue.task_done()
 
+    def _queue_map(self, item: tuple, size: int) -> None:
+        """Hand a stored block to the map-ahead thread, unless ``MAP_QUEUE_BYTES`` wait already (then the target's
+        connector maps it from the source entry)."""
+        with self._queued_lock:
+            if self._map_bytes + size > MAP_QUEUE_BYTES:
+                logger.info("kvbridge source connector: map-ahead is behind; a block is left to the target to map")
+                return
+            self._map_bytes += size
+        self._map_queue.put((size, item))
+
+    def _mapper_loop(self) -> None:
+        while True:
+            size, item = self._map_queue.get()
+            try:
+                self._premap(*item)
+            except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
+                logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
+            finally:
+                with self._queued_lock:
+                    self._map_bytes -= size
+                self._map_queue.task_done()
+
     def _premap(self, key: str, parent: str, block: list[int], keys, values, hidden, tail: bool, start: int) -> None:
-        """Map one stored block into the target's K/V and store that beside it (writer thread). Its lags read the
-        last source tokens of the block before: kept from that block's own turn, else read from the store; when
-        neither has them the block is not mapped ahead (the target's connector maps it from the source entry)."""
+        """Map one stored block into the target's K/V and store that beside it (map-ahead thread, blocks in the
+        order they were stored). Its lags read the last source tokens of the block before: kept from that block's
+        own turn, else read from the store; when neither has them the block is not mapped ahead (the target's
+        connector maps it from the source entry)."""
         from ..transfer import map_block
 
         ahead = self.map_ahead
-        lag = min(ahead.mapper.max_lag, start)
-        try:
-            if lag:
-                before = self._lag_tails.get(parent)
-                if before is None:
-                    got = self.store.get(self.store.path(parent), self.identity, None)
-                    before = (got["key"], got["value"], got["hidden"]) if isinstance(got, dict) else None
-                if before is None:
-                    self.premap_skipped += 1
-                    return
-                keys, values = (torch.cat([b[:, -lag:], x], dim=1) for b, x in zip(before, (keys, values)))
-                hidden = torch.cat([before[2][-lag:], hidden])
-            device = ahead.mapper.device
-            mapped_k, mapped_v = map_block(ahead.source, ahead.target, ahead.mapper, keys.to(device),
-                                           values.to(device), hidden.to(device), start, lag)
-            if not self.store.put(key, parent, ahead.map_id, block, mapped_k.cpu(), mapped_v.cpu(), None, tail=tail,
-                                  map_id=ahead.map_id):
-                self.premap_skipped += 1
+        keep = ahead.mapper.max_lag
+        lag = min(keep, start)
+        if keep and not tail:  # the next block's lags read this one's last tokens (copies: the block is let go)
+            self._lag_tails[key] = (keys[:, -keep:].clone(), values[:, -keep:].clone(), hidden[-keep:].clone())
+            while len(self._lag_tails) > LAG_TAILS:
+                self._lag_tails.popitem(last=False)
+        path = self.store.mapped_path(parent if tail else key, ahead.map_id, tail)
+        if not tail and path.exists():  # the same block, mapped earlier: only marked used
+            self.store.touch([key], ahead.map_id)
+            return
+        if lag:
+            before = self._lag_tails.get(parent)
+            if before is None:
+                got = self.store.get(self.store.path(parent), self.identity, None)
+                before = (got["key"], got["value"], got["hidden"]) if isinstance(got, dict) else None
+            if before is None:
+                logger.info("kvbridge source connector: a block is not mapped ahead (the block before it, whose "
+                            "tokens its lags read, is gone); the target maps it")
                 return
-            self.premapped += 1
-            if not tail and ahead.mapper.max_lag:
-                keep = ahead.mapper.max_lag
-                self._lag_tails[key] = (keys[:, -keep:], values[:, -keep:], hidden[-keep:])
-                while len(self._lag_tails) > LAG_TAILS:
-                    self._lag_tails.popitem(last=False)
-        except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
-            self.premap_skipped += 1
-            logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
+            keys, values = (torch.cat([b[:, -lag:], x], dim=1) for b, x in zip(before, (keys, values)))
+            hidden = torch.cat([before[2][-lag:], hidden])
+        device = ahead.mapper.device
+        mapped_k, mapped_v = map_block(ahead.source, ahead.target, ahead.mapper, keys.to(device), values.to(device),
+                                       hidden.to(device), start, lag)
+        self.store.put(key, parent, ahead.map_id, block, mapped_k.cpu(), mapped_v.cpu(), None, tail=tail,
+                       map_id=ahead.map_id)
 
     def flush(self) -> None:
-        """Wait until every queued block is written (tests, shutdown)."""
+        """Wait until every queued block is written and mapped ahead (tests, shutdown)."""
         if self._queue is not None:
             self._queue.join()
+        if self._map_queue is not None:
+            self._map_queue.join()
 
     def shutdown(self):
         self.flush()

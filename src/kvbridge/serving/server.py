@@ -183,8 +183,9 @@ def serve_source(config: StoreConfig, source_dir: str, served_name: str, host: s
     if device == "cpu":
         cpu_defaults()
     argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
+    ahead = f", mapping it ahead with {config.mapper}" if config.mapper else ""
     print(f"kvbridge serve-source: {source_dir} as {served_name!r} on http://{host}:{port}/v1 — storing its KV in "
-          f"{config.store} (cap {config.cap_bytes / 2**30:.1f} GiB)", file=sys.stderr, flush=True)
+          f"{config.store} (cap {config.cap_bytes / 2**30:.1f} GiB){ahead}", file=sys.stderr, flush=True)
     run_vllm(argv)
     return 0
 

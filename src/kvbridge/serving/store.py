@@ -21,8 +21,9 @@ An entry (``entries/<key[:2]>/<key>.safetensors``) holds the block's post-RoPE k
 computed them (``key``, ``value``: (L, T, H, D)), the source's final hidden state at each token (``hidden``:
 (T, S): what the recompute criterion and state levers read), the token ids, and in its metadata the identity, the
 parent key and a CRC-32 of its data section. With map-ahead, the source engine also stores the block's target K/V
-as a mapper maps them (``<key>.<map[:16]>.mapped.safetensors``: ``key``, ``value`` (Lt, T, Ht, Dt) post-RoPE, the
-ids; its identity is :func:`map_identity`), read by the target's connector instead of mapping the block.
+as a mapper maps them (``<key>.<map[:16]>.mapped.safetensors``, a tail's ``<parent>.tail.<map[:16]>.mapped
+.safetensors``: ``key``, ``value`` (Lt, T, Ht, Dt) post-RoPE, the ids; its identity is :func:`map_identity`), read
+by the target's connector instead of mapping the block.
 
 Writes go to a temporary file renamed into place, so a killed writer or a full disk never leaves a partial entry
 under a key; a reader checks identity, token ids, shapes and the CRC and skips (and counts) an entry that fails any
@@ -66,12 +67,13 @@ def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int,
                         "geometry": [num_layers, num_kv_heads, head_dim, hidden_size]})[:32]
 
 
-def map_identity(source_identity: str, mapper_checksums: str, target: dict) -> str:
+def map_identity(source_identity: str, mapper_checksums: str, target: dict, dtype: torch.dtype) -> str:
     """The map a mapped entry holds: the source's store identity, the mapper's checksums file (its weights and
-    mapper.json: selection, levers, both models' fingerprints and RoPE) and the target's KV geometry and RoPE as
-    the mapping process read them (``target``). Entries of another mapper or target never match."""
+    mapper.json: selection, levers, both models' fingerprints and RoPE), the target's KV geometry and RoPE as the
+    mapping process read them (``target``) and the dtype the map ran in. Entries of another mapper, target or
+    dtype never match (a target connector mapping in another dtype maps for itself: warm stays equal to cold)."""
     return sha256_json({"format": MAPPED_FORMAT, "version": VERSION, "source": source_identity,
-                        "mapper": mapper_checksums, "target": target})[:32]
+                        "mapper": mapper_checksums, "target": target, "dtype": str(dtype)})[:32]
 
 
 def target_description(info) -> dict:
@@ -108,8 +110,8 @@ def _sections(data) -> tuple[dict, memoryview]:
 @dataclass
 class Found:
     """The longest stored prefix of a prompt: ``tokens`` of it, with per-layer keys and values (1, H, tokens, D),
-    hidden states (1, tokens, S); ``refused``: entries skipped (another identity, torn, corrupted), with the reason
-    of the first."""
+    hidden states (1, tokens, S; None for mapped entries); ``refused``: entries skipped (another identity, torn,
+    corrupted), with the reason of the first."""
 
     tokens: int
     keys: list[torch.Tensor] | None = None
