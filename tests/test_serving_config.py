@@ -215,6 +215,7 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
     from kvbridge.serving.store import KVStore
 
     assert request_use_store(None) and request_use_store({"kvbridge_store": False}) is False
+    assert request_use_store({"kvbridge_store": "source"}) == "source"
     with pytest.raises(InputError, match="kvbridge_store"):
         request_use_store({"kvbridge_store": "no"})
     space = namespace(family.mapper_path(), {})

@@ -140,9 +140,10 @@ def test_the_store_keeps_its_cap_under_many_prompts(engines):
 
 
 def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_refused(engines):
-    """Three conversations with one history (three client salts: three chains in the store): all read as mapped
+    """Four conversations with one history (four client salts: four chains in the store): all read as mapped
     ahead; the third block's mapped entry removed (the target maps from there on); the first block's mapped entry
-    naming another map (refused, counted: the target maps it all). Each answer equals the cold path's."""
+    naming another map (refused, counted: the target maps it all); mapped entries ignored on request
+    (``kvbridge_store: "source"``). Each answer equals the cold path's."""
     from safetensors import safe_open
     from safetensors.torch import load, save
 
@@ -154,16 +155,16 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     prompt = stream_prompts((700,), offset=140)
     bs = store.block_tokens
     cold, _ = ask_target(target, config, serve_source(source, prompt, salt="s0"), use_store=False, salt="cold-4")
-    for salt in ("s1", "s2"):
+    for salt in ("s1", "s2", "s3"):
         history = serve_source(source, prompt, salt=salt)[0]
         keys = chain(chain_seed(folder_identity(config.source), salt), history, bs)
         ahead = {k: next(store.root.glob(f"entries/{k[:2]}/{k}.*.mapped.safetensors")) for k in keys}
         if salt == "s1":
             ahead[keys[2]].unlink()
-        else:
+        elif salt == "s2":
             meta = dict(safe_open(str(ahead[keys[0]]), "pt").metadata(), identity="0" * 32)
             ahead[keys[0]].write_bytes(save(load(ahead[keys[0]].read_bytes()), metadata=meta))
-        warm, status = ask_target(target, config, [history], salt=salt)
+        warm, status = ask_target(target, config, [history], use_store="source" if salt == "s3" else True, salt=salt)
         assert status[0]["kvbridge_stored_tokens"] == len(history) - 1
         assert status[0]["kvbridge_premapped_tokens"] == (2 * bs if salt == "s1" else 0), status
         assert warm == cold

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..errors import KVBridgeError
 
-WAYS = ("native", "warm", "cold")
+WAYS = ("native", "warm", "remap", "cold")
 STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
@@ -43,14 +43,18 @@ class CascadeRow:
     warm_ttft_ms: float
     cold_ttft_ms: float
     cached_ttft_ms: float  # the target's own prefix-cache hit on the history: the ceiling of any transfer
+    remap_ttft_ms: float  # warm, with the stored source K/V mapped at the switch (blocks mapped ahead ignored)
     warm_speedup: float  # native ÷ warm
+    remap_speedup: float
     ceiling_speedup: float  # native ÷ cached
     cold_speedup: float
     warm_connector_ms: float  # median time inside the connector (store, source, map, recompute, cache writes)
+    remap_connector_ms: float
     cold_connector_ms: float
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
     warm_equals_cold: float  # share of conversations whose escalated answers are identical
+    remap_equals_cold: float
     warm_first_token_agreement: float  # with native
     cold_first_token_agreement: float
     warm_token_agreement: float  # mean share of positions where the answer's token equals native's
@@ -159,17 +163,21 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
             _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
+            # the same turn under a second salt (greedy: the same answer), so that the conversation is stored twice
+            # and the way mapped at the switch reads its own copy (one salt would make it a prefix-cache hit)
+            await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-remap")
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
             # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
             # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
             await asyncio.sleep(SETTLE_S)
-            ways = WAYS[i % 3:] + WAYS[:i % 3]  # rotating order: drift and caches hit every way alike
+            ways = WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]  # rotating order: drift and caches hit every way alike
             row = {}
             for way in ways:
-                params = {"kvbridge": "native" if way == "native" else "mapped", "kvbridge_store": way == "warm"}
+                params = {"kvbridge": "native" if way == "native" else "mapped",
+                          "kvbridge_store": {"warm": True, "remap": "source"}.get(way, False)}
                 before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, PREMAPPED, MAP_SECONDS)}
-                # warm shares the source's salt (its stored blocks are keyed by it); the others keep their own so
-                # that no way reads another's blocks from the target's prefix cache
+                # warm shares the source's salt (its stored blocks are keyed by it), remap the second one's; the
+                # others keep their own so that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
                                               salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
@@ -186,7 +194,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             if i >= warmup:
                 results.append(row)
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
-                     f"{row['warm'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
+                     f"{row['warm'][0]:.1f} ms, mapped at the switch {row['remap'][0]:.1f} ms, cold "
+                     f"{row['cold'][0]:.1f} ms")
     finally:
         await source.close()
         await target.close()
@@ -238,20 +247,23 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             history_tokens=int(statistics.median(lengths)), conversations=len(results),
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
             cached_ttft_ms=med["cached"],
+            remap_ttft_ms=med["remap"], remap_speedup=med["native"] / med["remap"],
             warm_speedup=med["native"] / med["warm"], cold_speedup=med["native"] / med["cold"],
             ceiling_speedup=med["native"] / med["cached"],
             warm_connector_ms=statistics.median(r["warm_connector_ms"] for r in results),
+            remap_connector_ms=statistics.median(r["remap_connector_ms"] for r in results),
             cold_connector_ms=statistics.median(r["cold_connector_ms"] for r in results),
             stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
             premapped_fraction=statistics.median(r["premapped_tokens"] / n for r, n in zip(results, lengths)),
             warm_equals_cold=sum(r["warm"][1] == r["cold"][1] for r in results) / len(results),
+            remap_equals_cold=sum(r["remap"][1] == r["cold"][1] for r in results) / len(results),
             warm_first_token_agreement=sum(r["warm"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
             cold_first_token_agreement=sum(r["cold"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
             warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
             cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
                        {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "warm_connector_ms",
-                                          "cold_connector_ms")}
+                                          "remap_connector_ms", "cold_connector_ms")}
                        for r in results]
     return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
             "engine_floor_ms": floor,
@@ -260,18 +272,21 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
 
 
 def cascade_table(report: dict) -> str:
-    lines = ["| History tokens | Native TTFT | Warm TTFT | Cold TTFT | **Warm speed-up** | Cold speed-up | Ceiling "
-             "(prefix-cache hit) | Connector (warm / cold) | Prefix from the store (mapped ahead) | Warm = cold | "
-             "First token = native (warm / cold) | Tokens = native (warm / cold) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in report["rows"]:
+    lines = ["| History tokens | Native TTFT | Warm TTFT | Mapped at the switch | Cold TTFT | **Warm speed-up** | "
+             "At the switch | Cold speed-up | Ceiling (prefix-cache hit) | Connector (warm / at the switch / cold) | "
+             "Prefix from the store (mapped ahead) | Warm = cold (at the switch = cold) | First token = native "
+             "(warm / cold) | Tokens = native (warm / cold) |", "|" + "---:|" * 14]
+    for r in report["rows"]:  # (older reports lack the ceiling, the way mapped at the switch, the mapped-ahead share)
         ceiling = f"{r['ceiling_speedup']:.2f}× ({r['cached_ttft_ms']:.1f} ms)" if "ceiling_speedup" in r else "–"
-        ahead = f"{r['premapped_fraction']:.0%}" if "premapped_fraction" in r else "–"  # (older reports lack both)
+        ahead = f"{r['premapped_fraction']:.0%}" if "premapped_fraction" in r else "–"
+        remap = "remap_ttft_ms" in r
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
-                     f"{r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | {r['cold_speedup']:.2f}× | "
-                     f"{ceiling} | {r['warm_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | "
-                     f"{r['stored_fraction']:.0%} ({ahead}) | "
-                     f"{r['warm_equals_cold']:.0%} | "
+                     + (f"{r['remap_ttft_ms']:.1f} ms" if remap else "–") + f" | {r['cold_ttft_ms']:.1f} ms | "
+                     f"**{r['warm_speedup']:.2f}×** | " + (f"{r['remap_speedup']:.2f}×" if remap else "–") +
+                     f" | {r['cold_speedup']:.2f}× | {ceiling} | {r['warm_connector_ms']:.1f} / "
+                     + (f"{r['remap_connector_ms']:.1f}" if remap else "–") + f" / {r['cold_connector_ms']:.1f} ms | "
+                     f"{r['stored_fraction']:.0%} ({ahead}) | {r['warm_equals_cold']:.0%} ("
+                     + (f"{r['remap_equals_cold']:.0%}" if remap else "–") + ") | "
                      f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
                      f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")
     return "\n".join(lines)

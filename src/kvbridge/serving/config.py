@@ -12,7 +12,8 @@ A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbr
   costs more than it saves: measure the break-even with ``kvbridge bench``).
 
 ``"kvbridge_store": false`` (optional) builds the prefix from a fresh source prefill even when the server's KV store
-holds the source's own K/V of it (the cold path, for comparisons). ``"kvbridge_hold_back": n`` (optional) makes
+holds the source's own K/V of it (the cold path, for comparisons); ``"source"`` maps the stored source K/V at the
+switch, ignoring blocks the source engine mapped ahead. ``"kvbridge_hold_back": n`` (optional) makes
 the engine compute the last ``n`` prompt tokens itself instead of the mapper's hold-back: a scoring request that
 asks for ``prompt_logprobs`` of a continuation holds the continuation back, so it is scored by the target over the
 mapped context.
@@ -221,12 +222,14 @@ def request_hold_back(params: Any) -> int | None:
     return value
 
 
-def request_use_store(params: Any) -> bool:
-    """A request's ``kv_transfer_params.kvbridge_store`` (False: build the mapped prefix from a fresh source prefill
-    even when the store holds it — the cold path); True when it sets none; InputError for a non-boolean."""
+def request_use_store(params: Any) -> bool | str:
+    """A request's ``kv_transfer_params.kvbridge_store``: True (what it sets when it sets none: the store's entries,
+    blocks mapped ahead read), ``"source"`` (the stored source K/V only, mapped at the switch: a comparison with
+    map-ahead) or False (a fresh source prefill even when the store holds the prefix — the cold path); InputError
+    for anything else."""
     value = params.get(USE_STORE, True) if isinstance(params, dict) else True
-    if not isinstance(value, bool):
-        raise InputError(f"kv_transfer_params.{USE_STORE} must be true or false, not {value!r}.")
+    if not isinstance(value, bool) and value != "source":
+        raise InputError(f'kv_transfer_params.{USE_STORE} must be true, false or "source", not {value!r}.')
     return value
 
 

@@ -72,7 +72,7 @@ class Load:
     end: int
     block_ids: list[int]
     salt: str | None = None  # the client's own cache_salt: the store's entries are keyed by it too
-    use_store: bool = True
+    use_store: bool | str = True  # True, False or "source" (config.request_use_store)
 
 
 @dataclass
@@ -278,7 +278,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._layers
 
     @torch.no_grad()
-    def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool = True):
+    def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool | str = True):
         """``(keys, values, stored tokens, refusal, premapped tokens)``: post-RoPE target K/V (T, H, D) per layer for
         ``token_ids``, from the source and the mapper (and the target's recompute of the chosen tokens): what
         :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
@@ -299,13 +299,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
                     tokens, refusal = found.tokens, found.reason
                     if found.tokens:
-                        ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
-                                             found.tokens, map_id=self._map_id)
-                        refusal = refusal or ahead.reason
-                        mapped = (ahead.keys, ahead.values) if ahead.tokens else None
+                        mapped = None
+                        if use_store != "source":  # "source": mapped at the switch (a comparison)
+                            ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
+                                                 found.tokens, map_id=self._map_id)
+                            refusal, premapped = refusal or ahead.reason, ahead.tokens
+                            mapped = (ahead.keys, ahead.values) if ahead.tokens else None
                         stored = Stored(found.tokens, found.keys, found.values, found.hidden, mapped)
                         cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
-                        premapped = ahead.tokens
             except Exception as exc:
                 tokens, premapped = 0, 0
                 refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
