@@ -10,8 +10,8 @@ the model's final hidden state at that token; each time a request's tokens fill 
 earlier request stored), the block is written to the :class:`~kvbridge.serving.store.KVStore` by a background
 thread. The target's engine (:mod:`kvbridge.serving.connector`) then maps stored blocks instead of running the
 source again: the map alone replaces the target's prefill. With map-ahead (``StoreConfig.mapper`` and ``target``),
-the writer thread also maps each block it stores (:func:`kvbridge.transfer.map_block`) and stores the target's K/V
-beside it: the target's connector then reads the block instead of mapping it.
+a second thread maps each stored block (:func:`kvbridge.transfer.map_block`) and stores the target's K/V beside
+it: the target's connector then reads the block instead of mapping it.
 
 What it observes, and how, without a fork of vLLM: the keys and values reach it through the attention backend's own
 cache-update call (``impl.do_kv_cache_update``, wrapped once per layer: the paged layout stays the backend's
@@ -87,7 +87,7 @@ class Pending:
 
 @dataclass
 class MapAhead:
-    """What the writer needs to map each stored block: the mapper, the source's and the target's config and
+    """What the map-ahead thread needs to map each stored block: the mapper, the source's and the target's config and
     rotary module (no weights: :func:`kvbridge.models.load_rope_model`), the map's identity."""
 
     mapper: Any
