@@ -156,7 +156,8 @@ def test_an_escalated_conversation_is_mapped_from_the_sources_stored_kv(servers,
 def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     """`kvbridge cascade-bench`'s measurement against the running pair (tiny: one conversation): the warm way's
     prefix came from the store, mapped ahead, and answered as the cold way, as did the way mapped at the switch;
-    the ceiling (a prefix-cache hit on the history) is measured beside them. Timings are the benchmark's business, not checked here."""
+    the ceiling (a prefix-cache hit on the history) is measured beside them. Timings are the benchmark's business,
+    not checked here."""
     from transformers import AutoTokenizer
 
     from kvbridge import family
