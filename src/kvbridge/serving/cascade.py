@@ -8,13 +8,14 @@ conversation's blocks in the store and maps them — the source does not prefill
 computes the held-back tokens and answers.
 
 ``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
-the source answers, then an escalated third turn sent to the target three ways, one after another and in rotating
+the source answers, then an escalated third turn sent to the target four ways, one after another and in rotating
 order — native (the target re-prefills the whole history), warm (from the stored source KV, mapped ahead unless
-``--no-map-ahead``) and cold (mapped from a fresh source prefill inside the connector, ``kvbridge_store: false``) —
-with each request's time to its first streamed token, and the escalated answers compared token by token. A fourth
-request, native again with the native way's salt, finds the whole history in the target's own prefix cache: the
-time to first token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this
-engine.
+``--no-map-ahead``), mapped at the switch (the stored source K/V, blocks mapped ahead ignored: ``kvbridge_store:
+"source"``, on a second stored copy of the conversation) and cold (mapped from a fresh source prefill inside the
+connector, ``kvbridge_store: false``) — with each request's time to its first streamed token, and the escalated
+answers compared token by token. The native request sent again finds the whole history in the target's own prefix
+cache: the time to first token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in
+this engine.
 """
 
 from __future__ import annotations
