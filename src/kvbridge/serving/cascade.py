@@ -277,17 +277,13 @@ def cascade_table(report: dict) -> str:
              "At the switch | Cold speed-up | Ceiling (prefix-cache hit) | Connector (warm / at the switch / cold) | "
              "Prefix from the store (mapped ahead) | Warm = cold (at the switch = cold) | First token = native "
              "(warm / cold) | Tokens = native (warm / cold) |", "|" + "---:|" * 14]
-    for r in report["rows"]:  # (older reports lack the ceiling, the way mapped at the switch, the mapped-ahead share)
-        ceiling = f"{r['ceiling_speedup']:.2f}× ({r['cached_ttft_ms']:.1f} ms)" if "ceiling_speedup" in r else "–"
-        ahead = f"{r['premapped_fraction']:.0%}" if "premapped_fraction" in r else "–"
-        remap = "remap_ttft_ms" in r
+    for r in report["rows"]:
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
-                     + (f"{r['remap_ttft_ms']:.1f} ms" if remap else "–") + f" | {r['cold_ttft_ms']:.1f} ms | "
-                     f"**{r['warm_speedup']:.2f}×** | " + (f"{r['remap_speedup']:.2f}×" if remap else "–") +
-                     f" | {r['cold_speedup']:.2f}× | {ceiling} | {r['warm_connector_ms']:.1f} / "
-                     + (f"{r['remap_connector_ms']:.1f}" if remap else "–") + f" / {r['cold_connector_ms']:.1f} ms | "
-                     f"{r['stored_fraction']:.0%} ({ahead}) | {r['warm_equals_cold']:.0%} ("
-                     + (f"{r['remap_equals_cold']:.0%}" if remap else "–") + ") | "
+                     f"{r['remap_ttft_ms']:.1f} ms | {r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | "
+                     f"{r['remap_speedup']:.2f}× | {r['cold_speedup']:.2f}× | {r['ceiling_speedup']:.2f}× "
+                     f"({r['cached_ttft_ms']:.1f} ms) | {r['warm_connector_ms']:.1f} / {r['remap_connector_ms']:.1f} "
+                     f"/ {r['cold_connector_ms']:.1f} ms | {r['stored_fraction']:.0%} ({r['premapped_fraction']:.0%}) "
+                     f"| {r['warm_equals_cold']:.0%} ({r['remap_equals_cold']:.0%}) | "
                      f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
                      f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")
     return "\n".join(lines)
