@@ -199,6 +199,8 @@ def test_the_middleware_needs_its_settings_and_survives_any_body(monkeypatch):
     ({"prompt": "x", "cache_salt": NAMESPACE_PREFIX + "0" * 32}, "may not start"),  # a native read of mapped blocks
     ({"prompt": "x", "stop": json.loads("[" * 70 + "]" * 70)}, "nests more than"),  # 500 deep killed the engine
     ({"kv_transfer_params": {"kvbridge_hold_back": "3"}}, "kvbridge_hold_back"),
+    ({"kv_transfer_params": {"kvbridge_native_rest": -1}}, "kvbridge_native_rest"),
+    ({"kv_transfer_params": {"kvbridge_native_rest": True}}, "kvbridge_native_rest"),
 ])
 def test_what_no_route_may_pass_to_the_engine(body, match):
     from kvbridge.serving.middleware import check_body
@@ -218,6 +220,13 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
     assert request_use_store({"kvbridge_store": "source"}) == "source"
     with pytest.raises(InputError, match="kvbridge_store"):
         request_use_store({"kvbridge_store": "no"})
+    from kvbridge.serving.config import request_native_rest
+
+    assert request_native_rest(None) is None and request_native_rest({"kvbridge_native_rest": 0}) == 0
+    assert config().native_rest > 0  # a new turn after a stored history is the target's by default
+    for bad in (-1, 1.5, "8"):
+        with pytest.raises(InputError, match="native_rest"):
+            config(native_rest=bad)
     space = namespace(family.mapper_path(), {})
     assert client_salt(salted(space, "user-1"), space) == "user-1" and client_salt(space, space) is None
     assert client_salt("user-1", space) == "user-1" and client_salt(None, space) is None

@@ -68,7 +68,7 @@ def serve_source(source, prompts, new_tokens=20, salt=None):
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 
 
-def ask_target(target, config, prompts, use_store=True, salt=None):
+def ask_target(target, config, prompts, use_store=True, salt=None, native_rest=None, hold_back=None):
     from vllm import SamplingParams
 
     from kvbridge.serving import mapped_request
@@ -77,6 +77,9 @@ def ask_target(target, config, prompts, use_store=True, salt=None):
     for ids in prompts:
         item, extra = mapped_request(ids, config, "mapped", cache_salt=salt)
         extra["kv_transfer_params"]["kvbridge_store"] = use_store
+        for key, value in (("kvbridge_native_rest", native_rest), ("kvbridge_hold_back", hold_back)):
+            if value is not None:
+                extra["kv_transfer_params"][key] = value(ids) if callable(value) else value
         items.append(item)
         params.append(SamplingParams(max_tokens=NEW, temperature=0, extra_args=extra))
     outs = target.generate(items, params, use_tqdm=False)
@@ -84,22 +87,39 @@ def ask_target(target, config, prompts, use_store=True, salt=None):
 
 
 def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
+    """Escalated turns (a stored history, then 39 new tokens): with the new turn mapped too (``native_rest`` 0, or
+    below its length) the answer is the cold path's; by default the target computes the new turn itself over the
+    stored prefix — the cold path's answer with that much held back."""
     source, target, config, _ = engines
-    histories = serve_source(source, stream_prompts((200, 700, 1300), offset=0))
+    prompts = stream_prompts((200, 700, 1300), offset=0)
+    histories = serve_source(source, prompts)
     # escalated turns: the history the source served (its answer included), then new tokens it never saw
     extra = stream_prompts((40, 40, 40), offset=50)
     turns = [h + e[1:] for h, e in zip(histories, extra)]
     warm, status = ask_target(target, config, turns, salt="warm")  # the source had no salt: nothing stored under it
-    assert all(s["kvbridge_stored_tokens"] == 0 for s in status)
-    warm, status = ask_target(target, config, turns)
+    assert all(s["kvbridge_stored_tokens"] == 0 and s["kvbridge_mapped_tokens"] == len(t) - 1
+               for s, t in zip(status, turns))  # nothing stored: the cold path, whatever native_rest says
     cold, cold_status = ask_target(target, config, turns, use_store=False, salt="cold")
-    for turn, history, st, w, c in zip(turns, histories, status, warm, cold):
-        assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(turn) - 1
-        # the full blocks and the tail the source computed: all of the history but its last token
-        assert st["kvbridge_stored_tokens"] == len(history) - 1, st
-        assert st["kvbridge_premapped_tokens"] == st["kvbridge_stored_tokens"], st  # every block mapped ahead
-        assert w == c, len(turn)
     assert all(s["kvbridge_stored_tokens"] == 0 for s in cold_status)
+    for rest, salt in ((0, None), (16, "s16")):  # the new turn is mapped too: the source prefills it, over the store's
+        if salt:  # the conversations stored again under a salt of their own (no prefix-cache hit on the last way)
+            assert serve_source(source, prompts, salt=salt) == histories
+        warm, status = ask_target(target, config, turns, native_rest=rest, salt=salt)
+        for turn, history, st, w, c in zip(turns, histories, status, warm, cold):
+            assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(turn) - 1
+            # the full blocks and the tail the source computed: all of the history but its last token
+            assert st["kvbridge_stored_tokens"] == len(history) - 1, st
+            assert st["kvbridge_premapped_tokens"] == st["kvbridge_stored_tokens"], st  # every block mapped ahead
+            assert w == c, len(turn)
+    # the server's default: the stored prefix is loaded, the target computes the 40 tokens after it itself
+    assert serve_source(source, prompts, salt="s-default") == histories
+    warm, status = ask_target(target, config, turns, salt="s-default")
+    held, _ = ask_target(target, config, turns, use_store=False, salt="cold-held",
+                         hold_back=lambda ids: len(ids) - next(len(h) - 1 for h in histories if ids[:len(h)] == h))
+    for turn, history, st, w, c in zip(turns, histories, status, warm, held):
+        assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(history) - 1, st
+        assert st["kvbridge_stored_tokens"] == st["kvbridge_premapped_tokens"] == len(history) - 1, st
+        assert w == c, len(turn)
 
 
 def test_refused_entries_are_counted_and_the_cold_path_answers(engines):

@@ -5,17 +5,19 @@
 into its paged cache: :mod:`kvbridge.serving.connector`). A conversation's first turns run on the source; when one
 escalates to the target (same messages, the servers apply the chat template), the target's connector finds the
 conversation's blocks in the store and maps them — the source does not prefill them again — then the target
-computes the held-back tokens and answers.
+computes the new turn and the held-back tokens itself, over them, and answers.
 
 ``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
-the source answers, then an escalated third turn sent to the target four ways, one after another and in rotating
-order — native (the target re-prefills the whole history), warm (from the stored source KV, mapped ahead unless
-``--no-map-ahead``), mapped at the switch (the stored source K/V, blocks mapped ahead ignored: ``kvbridge_store:
-"source"``, on a second stored copy of the conversation) and cold (mapped from a fresh source prefill inside the
-connector, ``kvbridge_store: false``) — with each request's time to its first streamed token, and the escalated
-answers compared token by token. The native request sent again finds the whole history in the target's own prefix
-cache: the time to first token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in
-this engine.
+the source answers, then an escalated third turn sent to the target five ways, one after another and in rotating
+order — native (the target re-prefills the whole history), warm (the stored history read as mapped ahead unless
+``--no-map-ahead``, the new turn computed by the target: ``kvbridge_native_rest``), warm with every token mapped
+(the source prefills the new turn for the mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at
+the switch (as warm, the stored source K/V mapped when the turn arrives, blocks mapped ahead ignored:
+``kvbridge_store: "source"``) and cold (mapped from a fresh source prefill inside the connector, ``kvbridge_store:
+false``) — each on a stored copy of its own of the conversation, with each request's time to its first streamed
+token, and the escalated answers compared token by token. The native request sent again finds the whole history
+in the target's own prefix cache: the time to first token of a switch whose K/V cost nothing to bring — the
+ceiling any transfer can reach in this engine.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pathlib import Path
 
 from ..errors import KVBridgeError
 
-WAYS = ("native", "warm", "remap", "cold")
+WAYS = ("native", "warm", "whole", "remap", "cold")
+COPIES = ("whole", "remap")  # ways that read a stored copy of the conversation of their own (salt f"{salt}-{way}")
 STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
@@ -44,21 +47,28 @@ class CascadeRow:
     warm_ttft_ms: float
     cold_ttft_ms: float
     cached_ttft_ms: float  # the target's own prefix-cache hit on the history: the ceiling of any transfer
+    whole_ttft_ms: float  # warm with every prompt token but the hold-back mapped (the cold path's cache)
     remap_ttft_ms: float  # warm, with the stored source K/V mapped at the switch (blocks mapped ahead ignored)
     warm_speedup: float  # native ÷ warm
+    whole_speedup: float
     remap_speedup: float
     ceiling_speedup: float  # native ÷ cached
     cold_speedup: float
     warm_connector_ms: float  # median time inside the connector (store, source, map, recompute, cache writes)
+    whole_connector_ms: float
     remap_connector_ms: float
     cold_connector_ms: float
+    native_rest: int  # the most tokens after the stored prefix that warm and remap left to the target
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
-    warm_equals_cold: float  # share of conversations whose escalated answers are identical
-    remap_equals_cold: float
+    native_fraction: float  # median share the target computed itself on the warm way (new turn and hold-back)
+    whole_equals_cold: float  # share of conversations whose escalated answers are identical
+    remap_equals_warm: float
     warm_first_token_agreement: float  # with native
+    whole_first_token_agreement: float
     cold_first_token_agreement: float
     warm_token_agreement: float  # mean share of positions where the answer's token equals native's
+    whole_token_agreement: float
     cold_token_agreement: float
 
 
@@ -150,8 +160,9 @@ def _agreement(answer: list[int], reference: list[int]) -> float:
     return sum(a == b for a, b in zip(answer, reference)) / n
 
 
-async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, progress):
-    """Per conversation: the source's two turns, then the escalated turn three ways (rotating order)."""
+async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, native_rest,
+                       progress):
+    """Per conversation: the source's two turns, then the escalated turn each way (rotating order)."""
     from openai import AsyncOpenAI
 
     source = AsyncOpenAI(base_url=source_url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -164,9 +175,10 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
             _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
-            # the same turn under a second salt (greedy: the same answer), so that the conversation is stored twice
-            # and the way mapped at the switch reads its own copy (one salt would make it a prefix-cache hit)
-            await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-remap")
+            # the same turn under other salts (greedy: the same answer), so that the conversation is stored again
+            # for each way that reads a copy of its own (one salt would make it a prefix-cache hit)
+            for way in COPIES:
+                await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-{way}")
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
             # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
             # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
@@ -175,10 +187,11 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped",
-                          "kvbridge_store": {"warm": True, "remap": "source"}.get(way, False)}
+                          "kvbridge_store": {"warm": True, "whole": True, "remap": "source"}.get(way, False),
+                          "kvbridge_native_rest": 0 if way == "whole" else native_rest}
                 before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, PREMAPPED, MAP_SECONDS)}
-                # warm shares the source's salt (its stored blocks are keyed by it), remap the second one's; the
-                # others keep their own so that no way reads another's blocks from the target's prefix cache
+                # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
+                # the others keep their own so that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
                                               salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
@@ -195,8 +208,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             if i >= warmup:
                 results.append(row)
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
-                     f"{row['warm'][0]:.1f} ms, mapped at the switch {row['remap'][0]:.1f} ms, cold "
-                     f"{row['cold'][0]:.1f} ms")
+                     f"{row['warm'][0]:.1f} ms, all mapped {row['whole'][0]:.1f} ms, mapped at the switch "
+                     f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
     finally:
         await source.close()
         await target.close()
@@ -231,61 +244,76 @@ async def _prompt_tokens(client, model: str, messages: list[dict]) -> int:
 
 def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,
                       histories: list[int], conversations: int, warmup: int = 2, new_tokens: int = 16,
-                      progress=print) -> dict:
-    """Every row of the escalation benchmark against two running servers."""
+                      native_rest: int = 256, progress=print) -> dict:
+    """Every row of the escalation benchmark against two running servers; ``native_rest``: the warm ways' (the most
+    tokens after the stored prefix the target computes itself)."""
     rows, raw = [], {}
     started = time.perf_counter()
     floor = asyncio.run(_floor(target_url, target_model))
     for h in histories:
         texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
-                                           new_tokens, progress))
+                                           new_tokens, native_rest, progress))
         native = [r["native"][1] for r in results]
         med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
         med["cached"] = statistics.median(r["cached_ms"] for r in results)
         lengths = [r["prompt_tokens"] for r in results]
+        n = len(results)
+
+        def same(a: str, b: str) -> float:
+            return sum(r[a][1] == r[b][1] for r in results) / n
+
+        def first(way: str) -> float:
+            return sum(r[way][1][:1] == ref[:1] for r, ref in zip(results, native)) / n
+
+        def tokens(way: str) -> float:
+            return statistics.mean(_agreement(r[way][1], ref) for r, ref in zip(results, native))
+
+        def connector(way: str) -> float:
+            return statistics.median(r[f"{way}_connector_ms"] for r in results)
+
         rows.append(CascadeRow(
-            history_tokens=int(statistics.median(lengths)), conversations=len(results),
+            history_tokens=int(statistics.median(lengths)), conversations=n,
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
-            cached_ttft_ms=med["cached"],
-            remap_ttft_ms=med["remap"], remap_speedup=med["native"] / med["remap"],
-            warm_speedup=med["native"] / med["warm"], cold_speedup=med["native"] / med["cold"],
-            ceiling_speedup=med["native"] / med["cached"],
-            warm_connector_ms=statistics.median(r["warm_connector_ms"] for r in results),
-            remap_connector_ms=statistics.median(r["remap_connector_ms"] for r in results),
-            cold_connector_ms=statistics.median(r["cold_connector_ms"] for r in results),
-            stored_fraction=statistics.median(r["stored_tokens"] / n for r, n in zip(results, lengths)),
-            premapped_fraction=statistics.median(r["premapped_tokens"] / n for r, n in zip(results, lengths)),
-            warm_equals_cold=sum(r["warm"][1] == r["cold"][1] for r in results) / len(results),
-            remap_equals_cold=sum(r["remap"][1] == r["cold"][1] for r in results) / len(results),
-            warm_first_token_agreement=sum(r["warm"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
-            cold_first_token_agreement=sum(r["cold"][1][:1] == n[:1] for r, n in zip(results, native)) / len(results),
-            warm_token_agreement=statistics.mean(_agreement(r["warm"][1], n) for r, n in zip(results, native)),
-            cold_token_agreement=statistics.mean(_agreement(r["cold"][1], n) for r, n in zip(results, native))))
+            cached_ttft_ms=med["cached"], whole_ttft_ms=med["whole"], remap_ttft_ms=med["remap"],
+            warm_speedup=med["native"] / med["warm"], whole_speedup=med["native"] / med["whole"],
+            remap_speedup=med["native"] / med["remap"], ceiling_speedup=med["native"] / med["cached"],
+            cold_speedup=med["native"] / med["cold"],
+            warm_connector_ms=connector("warm"), whole_connector_ms=connector("whole"),
+            remap_connector_ms=connector("remap"), cold_connector_ms=connector("cold"), native_rest=native_rest,
+            stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
+            premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
+            native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
+            whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
+            warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
+            cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
+            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold")))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
-                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "warm_connector_ms",
-                                          "remap_connector_ms", "cold_connector_ms")}
+                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens")} |
+                       {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"}
                        for r in results]
     return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
-            "engine_floor_ms": floor,
+            "engine_floor_ms": floor, "native_rest": native_rest,
             "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
             "rows": [asdict(r) for r in rows], "conversations": raw}
 
 
 def cascade_table(report: dict) -> str:
-    lines = ["| History tokens | Native TTFT | Warm TTFT | Mapped at the switch | Cold TTFT | **Warm speed-up** | "
-             "At the switch | Cold speed-up | Ceiling (prefix-cache hit) | Connector (warm / at the switch / cold) | "
-             "Prefix from the store (mapped ahead) | Warm = cold (at the switch = cold) | First token = native "
-             "(warm / cold) | Tokens = native (warm / cold) |", "|" + "---:|" * 14]
+    lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Warm, all mapped | Mapped at the switch | "
+             "Cold | Ceiling (prefix-cache hit) | Connector: warm / all mapped / at the switch / cold | Prefix from "
+             "the store (mapped ahead) | Tokens = native: warm / all mapped / cold | All mapped = cold; at the "
+             "switch = warm |", "|" + "---:|" * 11]
     for r in report["rows"]:
-        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {r['warm_ttft_ms']:.1f} ms | "
-                     f"{r['remap_ttft_ms']:.1f} ms | {r['cold_ttft_ms']:.1f} ms | **{r['warm_speedup']:.2f}×** | "
-                     f"{r['remap_speedup']:.2f}× | {r['cold_speedup']:.2f}× | {r['ceiling_speedup']:.2f}× "
-                     f"({r['cached_ttft_ms']:.1f} ms) | {r['warm_connector_ms']:.1f} / {r['remap_connector_ms']:.1f} "
-                     f"/ {r['cold_connector_ms']:.1f} ms | {r['stored_fraction']:.0%} ({r['premapped_fraction']:.0%}) "
-                     f"| {r['warm_equals_cold']:.0%} ({r['remap_equals_cold']:.0%}) | "
-                     f"{r['warm_first_token_agreement']:.0%} / {r['cold_first_token_agreement']:.0%} | "
-                     f"{r['warm_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} |")
+        def way(name: str) -> str:
+            return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
+
+        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | {way('whole')} "
+                     f"| {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×) "
+                     f"| {r['warm_connector_ms']:.1f} / {r['whole_connector_ms']:.1f} / "
+                     f"{r['remap_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | {r['stored_fraction']:.0%} "
+                     f"({r['premapped_fraction']:.0%}) | {r['warm_token_agreement']:.0%} / "
+                     f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
+                     f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
     return "\n".join(lines)
 
 

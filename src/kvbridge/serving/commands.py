@@ -65,6 +65,13 @@ def pair_config(args, **settings):
     return config, name, not args.source
 
 
+def add_native_rest(group, default: int) -> None:
+    group.add_argument("--native-rest", type=int, default=default, metavar="N",
+                       help="when a prompt's stored prefix leaves at most N tokens (a conversation's new turn), the "
+                            "target computes them itself over the stored prefix and the source does not run; 0: the "
+                            f"source prefills them for the mapper, as on the cold path (default: {default})")
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     from .config import MODES, ServeConfig
 
@@ -94,6 +101,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-store-verify", dest="store_verify", action="store_false",
                    help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
                         "4 MB)")
+    add_native_rest(w, d.native_rest)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -108,6 +116,7 @@ def _cmd_serve(args) -> int:
 
     min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
+                                          native_rest=args.native_rest,
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
@@ -338,13 +347,14 @@ def _cmd_serve_source(args) -> int:
 
 def _cascade_parser() -> argparse.ArgumentParser:
     from .cascade import default_store
+    from .config import ServeConfig
 
     p = argparse.ArgumentParser(
         prog="kvbridge cascade",
         description="Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
                     "(it stores its KV as it serves, and maps each stored block ahead into the target's K/V) and "
                     "`kvbridge serve --store` for the target (it reads the stored blocks of a conversation escalated "
-                    "to it, and runs the source and the map only over what is not stored). With no pair, the "
+                    "to it, and computes the new turn itself over them). With no pair, the "
                     "embedded family and its shipped mapper. Stops both on Ctrl-C.",
         epilog="Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
                + EPILOG)
@@ -354,6 +364,7 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the source engine stores its K/V only; the target maps them when a turn escalates "
                         "(default: the source engine also maps each stored block ahead, in a background thread)")
+    add_native_rest(p, ServeConfig(mapper="-", source="-", target="-").native_rest)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
@@ -374,8 +385,8 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
         if args.connector_dtype not in (None, "auto"):
             source += ["--map-dtype", args.connector_dtype]
     for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
-                 "recompute", "connector_device", "connector_dtype"):
-        value = getattr(args, flag)
+                 "recompute", "connector_device", "connector_dtype", "native_rest"):
+        value = getattr(args, flag, None)  # (cascade-bench has no --native-rest: it sets it per request)
         if value is not None and not (flag.startswith("connector_") and value == "auto"):
             target += [f"--{flag.replace('_', '-')}", str(value)]
     if args.allow_revision_mismatch:
@@ -403,12 +414,16 @@ def _cmd_cascade(args) -> int:
 
 
 def _cascade_bench_parser() -> argparse.ArgumentParser:
+    from .config import ServeConfig
+
     p = argparse.ArgumentParser(
         prog="kvbridge cascade-bench",
         description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
-                    "then a third turn escalated to the target three ways — native (the target re-prefills the "
-                    "history), warm (from the source's stored KV, mapped ahead) and cold (mapped from a fresh source "
-                    "prefill) — in rotating order, then native again (a hit in the target's own prefix cache: the "
+                    "then a third turn escalated to the target five ways — native (the target re-prefills the "
+                    "history), warm (the source's stored KV, mapped ahead, the new turn computed by the target), warm "
+                    "with the new turn mapped too (--native-rest 0), mapped at the switch (warm, blocks mapped ahead "
+                    "ignored) and cold (mapped from a fresh source prefill) — in rotating order, then native again "
+                    "(a hit in the target's own prefix cache: the "
                     "ceiling of any transfer); median time to the first streamed token of each, and the escalated "
                     "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
                     "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
@@ -425,6 +440,7 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the started source server stores its K/V only, the target maps them on escalation "
                         "(default: the source server maps each stored block ahead)")
+    add_native_rest(p, ServeConfig(mapper="-", source="-", target="-").native_rest)
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")
@@ -455,7 +471,7 @@ def _cmd_cascade_bench(args) -> int:
     def measure(source_url, target_url):
         names = [_first_model(url) for url in (source_url, target_url)]
         return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
-                                 args.conversations, args.warmup, args.new_tokens, say)
+                                 args.conversations, args.warmup, args.new_tokens, args.native_rest, say)
 
     try:
         if args.source_url:

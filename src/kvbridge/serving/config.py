@@ -13,7 +13,11 @@ A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbr
 
 ``"kvbridge_store": false`` (optional) builds the prefix from a fresh source prefill even when the server's KV store
 holds the source's own K/V of it (the cold path, for comparisons); ``"source"`` maps the stored source K/V at the
-switch, ignoring blocks the source engine mapped ahead. ``"kvbridge_hold_back": n`` (optional) makes
+switch, ignoring blocks the source engine mapped ahead. When the stored prefix leaves at most ``native_rest`` prompt
+tokens before the hold-back (a conversation's new turn), the connector loads the stored prefix only and the engine
+computes those tokens itself, over it, as it computes the held-back ones: no source prefill at all
+(``"kvbridge_native_rest": n`` per request; 0: the source and the mapper cover them too, and the warm prefix equals
+the cold path's). ``"kvbridge_hold_back": n`` (optional) makes
 the engine compute the last ``n`` prompt tokens itself instead of the mapper's hold-back: a scoring request that
 asks for ``prompt_logprobs`` of a continuation holds the continuation back, so it is scored by the target over the
 mapped context.
@@ -37,6 +41,7 @@ MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
 HOLD_BACK = "kvbridge_hold_back"  # and its own hold-back, optionally
 USE_STORE = "kvbridge_store"  # and whether stored source K/V may be used (default: yes, when the server has a store)
+NATIVE_REST = "kvbridge_native_rest"  # and how many tokens after a stored prefix the engine computes itself
 CONNECTOR = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.serving.connector"
 PRODUCER = "KVBridgeSourceConnector"
@@ -75,7 +80,9 @@ class ServeConfig(ExtraConfig):
     ``runtime``: overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
     ``store``: the folder of the source engine's KV store (warm transfer: stored blocks of a prompt are mapped
     without a source prefill, or read where that engine mapped them ahead); ``store_verify``: check each entry's
-    CRC-32 as it is read.
+    CRC-32 as it is read; ``native_rest``: when a prompt's stored prefix leaves at most this many tokens before the
+    hold-back (a conversation's new turn), the engine computes them itself over the stored prefix instead of the
+    source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's).
     """
 
     mapper: str
@@ -89,6 +96,7 @@ class ServeConfig(ExtraConfig):
     allow_revision_mismatch: bool = False
     store: str | None = None
     store_verify: bool = True
+    native_rest: int = 256
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -101,6 +109,7 @@ class ServeConfig(ExtraConfig):
             raise InputError(f"kvbridge serving: min_tokens must be an integer >= 2, not {self.min_tokens!r}.")
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
+        request_native_rest({NATIVE_REST: self.native_rest}, "native_rest")
         known = {"hold_back", "recompute", "recompute_by", "recompute_window", "sink"}
         if not isinstance(self.runtime, dict) or set(self.runtime) - known:
             raise InputError(f"kvbridge serving: runtime overrides must be a dict of {', '.join(sorted(known))}, "
@@ -230,6 +239,17 @@ def request_use_store(params: Any) -> bool | str:
     value = params.get(USE_STORE, True) if isinstance(params, dict) else True
     if not isinstance(value, bool) and value != "source":
         raise InputError(f'kv_transfer_params.{USE_STORE} must be true, false or "source", not {value!r}.')
+    return value
+
+
+def request_native_rest(params: Any, name: str = f"kv_transfer_params.{NATIVE_REST}") -> int | None:
+    """A request's own ``kv_transfer_params.kvbridge_native_rest`` (the most tokens after a stored prefix that the
+    engine computes itself rather than the source and the mapper), None when it sets none; InputError for a bad
+    value."""
+    value = params.get(NATIVE_REST) if isinstance(params, dict) else None
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InputError(f"{name} must be an integer >= 0 (0: the source and the mapper cover every token after a "
+                         f"stored prefix too), not {value!r}.")
     return value
 
 

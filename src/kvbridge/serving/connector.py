@@ -48,6 +48,7 @@ from .config import (
     mapper_namespace,
     request_hold_back,
     request_mode,
+    request_native_rest,
     request_use_store,
 )
 
@@ -153,6 +154,17 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self._counts[(engine_idx, c)].inc(transfer_stats_data[c])
 
 
+def store_identity(source) -> str:
+    """The KV store identity of a loaded source model (its weights loaded or not:
+    :func:`kvbridge.models.load_rope_model`)."""
+    from ..models import source_hidden_size
+    from .store import identity
+
+    info = source.info
+    return identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads, info.head_dim,
+                    source_hidden_size(source.model))
+
+
 def _same_model(a: str, b: str) -> bool:
     try:
         return Path(a).resolve() == Path(b).resolve()
@@ -215,6 +227,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
+        elif self.config.store:  # the scheduler looks up how much of a prompt is stored (no weights loaded)
+            from ..models import load_rope_model
+
+            self._identity = store_identity(load_rope_model(self.config.source))
 
     # -- worker side ---------------------------------------------------------------------------
     def _load_bridge(self):
@@ -236,12 +252,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
         if self.config.store:
-            from ..models import source_hidden_size
-            from .store import identity
-
-            info = bridge.source.info
-            self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
-                                      info.head_dim, source_hidden_size(bridge.source.model))
+            self._identity = store_identity(bridge.source)
             from ..artifact import CHECKSUMS_FILE
             from .store import map_identity, target_description
 
@@ -375,7 +386,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         try:
             mode = request_mode(request.kv_transfer_params, self.config.mode)
             hold_back = request_hold_back(request.kv_transfer_params) or self.hold_back
-            request_use_store(request.kv_transfer_params)
+            use_store = request_use_store(request.kv_transfer_params)
+            native_rest = request_native_rest(request.kv_transfer_params)
         except Exception as exc:  # the HTTP layer refuses these with a 400; an offline caller gets native
             return f"fallback: {exc}", 0
         prompt = len(request.prompt_token_ids or ())
@@ -399,9 +411,30 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return ("fallback: prefix caching is on and the request's cache_salt is not in the mapper's namespace "
                     "(send it through kvbridge serve's completions or chat route, or build it with "
                     "kvbridge.serving.mapped_request)"), 0
+        end = self._warm_end(request, end, use_store, self.config.native_rest if native_rest is None else native_rest)
         if num_computed_tokens >= end:  # K/V of this mapper's namespace (mapped, or recomputed after a fallback)
             return "cached: the whole prefix was a prefix-cache hit in the mapper's namespace", 0
         return "mapped", end - num_computed_tokens
+
+    def _warm_end(self, request, end: int, use_store: bool | str, native_rest: int) -> int:
+        """Where the loaded prefix ends: the end of the prompt's stored prefix when at most ``native_rest`` tokens
+        follow it before ``end`` — the engine computes them itself, over the stored prefix, and the source does not
+        run — else ``end`` (the source prefills what the store lacks; nothing stored: the cold path). The worker
+        reads and checks the entries: one that fails there is computed by the source instead."""
+        if not use_store or not native_rest or self._identity is None:
+            return end
+        try:
+            store = self.store()
+            if store is None:
+                return end
+            from .store import chain_seed
+
+            seed = chain_seed(self._identity, client_salt(request.cache_salt, self.namespace))
+            stored = store.stored_tokens(seed, list(request.prompt_token_ids), end)
+        except Exception as exc:  # the store is an optimization: the worker's own lookup decides
+            logger.warning("kvbridge connector: the store lookup for request %s failed (%s)", request.request_id, exc)
+            return end
+        return stored if 0 < stored and end - stored <= native_rest else end
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """May be asked again for the same request (no free blocks yet, preemption): the answer is provisional

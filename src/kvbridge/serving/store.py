@@ -324,6 +324,31 @@ class KVStore:
             pass
         return tensors
 
+    def stored_tokens(self, seed: str, ids: list[int], limit: int) -> int:
+        """How many of the first ``limit`` tokens of ``ids`` the store holds, as :meth:`lookup` would find them if
+        every entry it meets passes its checks — from the entries' presence alone (a tail's token ids read, nothing
+        else): what a scheduler decides with before the worker reads (and checks) the entries."""
+        from safetensors import safe_open
+
+        parent, start, bt = seed, 0, self.block_tokens
+        limit = min(limit, len(ids))
+        while start < limit and start + bt <= len(ids):
+            key = next_key(parent, ids[start:start + bt])
+            if not self.path(key).exists():
+                break
+            parent, start = key, start + bt
+        if start < limit:
+            try:
+                with safe_open(self.tail_path(parent), framework="pt") as handle:
+                    stored = handle.get_tensor("ids").tolist()
+            except Exception:  # absent (most often), torn, not an entry: the reader decides, nothing found here
+                return min(start, limit)
+            m = 0
+            while m < min(len(stored), limit - start) and stored[m] == ids[start + m]:
+                m += 1
+            start += m
+        return min(start, limit)
+
     def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None) -> Found:
         """The longest stored prefix of ``ids`` within its first ``limit`` tokens: full blocks while they are
         stored, then the part of a request's final partial block (a tail) that matches; the first missing or
