@@ -130,12 +130,15 @@ def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
     history = serve_source(source, stream_prompts((600,), offset=70))[0]
     store = KVStore(store_dir)
     keys = chain(chain_seed(folder_identity(config.source), None), history, store.block_tokens)
-    raw = bytearray(store.path(keys[2]).read_bytes())
-    raw[-5] ^= 0x40  # the third block corrupted
-    store.path(keys[2]).write_bytes(bytes(raw))
+    # the third block's source entry and the second block's mapped entry corrupted
+    for path in (store.path(keys[2]), next(store.root.glob(f"entries/{keys[1][:2]}/{keys[1]}.*.mapped.safetensors"))):
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0x40
+        path.write_bytes(bytes(raw))
     warm, status = ask_target(target, config, [history])
     cold, _ = ask_target(target, config, [history], use_store=False, salt="cold-2")
     assert status[0]["kvbridge_stored_tokens"] == 2 * store.block_tokens and warm == cold
+    assert status[0]["kvbridge_premapped_tokens"] == store.block_tokens, status
 
     # a block written by another source model under the key this one expects: refused, never mapped
     other = serve_source(source, stream_prompts((400,), offset=80))[0]
@@ -145,7 +148,7 @@ def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
     tensors = load(first.read_bytes())
     meta = dict(__import__("safetensors").safe_open(str(first), "pt").metadata(), identity="0" * 32)
     first.write_bytes(save(tensors, metadata=meta))
-    warm, status = ask_target(target, config, [other])
+    warm, status = ask_target(target, config, [other], use_store="source")  # (its mapped entries are sound)
     cold, _ = ask_target(target, config, [other], use_store=False, salt="cold-3")
     assert status[0]["kvbridge_stored_tokens"] == 0 and warm == cold
 
@@ -163,7 +166,8 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     """Four conversations with one history (four client salts: four chains in the store): all read as mapped
     ahead; the third block's mapped entry removed (the target maps from there on); the first block's mapped entry
     naming another map (refused, counted: the target maps it all); mapped entries ignored on request
-    (``kvbridge_store: "source"``). Each answer equals the cold path's."""
+    (``kvbridge_store: "source"``); a mapped entry of NaN keys with a valid CRC (the stored prefix refused: the
+    cold path). Each answer equals the cold path's."""
     from safetensors import safe_open
     from safetensors.torch import load, save
 
@@ -188,3 +192,15 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
         assert status[0]["kvbridge_stored_tokens"] == len(history) - 1
         assert status[0]["kvbridge_premapped_tokens"] == (2 * bs if salt == "s1" else 0), status
         assert warm == cold
+    # a mapped entry whose keys are NaN (written as the source engine writes, its CRC valid): never in the cache —
+    # the store's prefix is refused and the cold path answers
+    history = serve_source(source, prompt, salt="s4")[0]
+    key = chain(chain_seed(folder_identity(config.source), "s4"), history, bs)[1]
+    path = next(store.root.glob(f"entries/{key[:2]}/{key}.*.mapped.safetensors"))
+    tensors, meta = load(path.read_bytes()), safe_open(str(path), "pt").metadata()
+    path.unlink()
+    assert store.put(key, meta["parent"], meta["identity"], tensors["ids"].tolist(), tensors["key"] * float("nan"),
+                     tensors["value"], None, map_id=meta["identity"])
+    warm, status = ask_target(target, config, [history], salt="s4")
+    assert status[0]["kvbridge"] == "mapped" and status[0]["kvbridge_stored_tokens"] == 0, status
+    assert warm == cold

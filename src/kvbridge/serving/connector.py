@@ -24,6 +24,7 @@ sets it), so mapped blocks are never a prefix-cache hit for a native request or 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,8 +295,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         ``token_ids``, from the source and the mapper (and the target's recompute of the chosen tokens): what
         :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
         the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest only;
-        of that prefix, the blocks the source engine mapped ahead are read, not mapped. ``refusal`` says why a
-        store entry was skipped (None: none was)."""
+        of that prefix, the blocks the source engine mapped ahead are read, not mapped (a map that recomputes no
+        token and finds all of ``token_ids`` mapped ahead reads those entries alone). ``refusal`` says why a store
+        entry was skipped (None: none was); whatever fails with the store's entries, the cold path answers."""
         from ..models import cache_kv
         from ..recompute import Stored
 
@@ -307,6 +309,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 if store is not None:
                     from .store import chain_seed
 
+                    if use_store is True and not self._bridge.selects_tokens:  # the map's output is all it needs
+                        ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
+                                             len(token_ids), map_id=self._map_id)
+                        if ahead.tokens == len(token_ids) and all(
+                                math.isfinite(t.sum(dtype=torch.float32)) for t in ahead.keys + ahead.values):
+                            return ([k[0].transpose(0, 1) for k in ahead.keys],
+                                    [v[0].transpose(0, 1) for v in ahead.values], ahead.tokens, None, ahead.tokens)
                     found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
                     tokens, refusal = found.tokens, found.reason
                     if found.tokens:
