@@ -56,8 +56,8 @@ def test_lookup_full_blocks_then_the_tail_that_matches(tmp_path):
     assert store.lookup(chain_seed(ME, None), ME, [0] + ids[1:], 100).tokens == 0  # another first block
     assert store.lookup(chain_seed(ME, "other"), ME, ids, 100).tokens == 0  # another client's salt
     # what a scheduler counts from the entries' presence (and the tail's ids) is what the lookup finds
-    for prompt, limit in ((ids + [7, 7, 7], 100), (ids + list(range(50, 60)), 100), (ids[:17] + [0, 0], 100), (ids, 12), (ids, 19), (ids, 8),
-                          ([0] + ids[1:], 100)):
+    for prompt, limit in ((ids + [7, 7, 7], 100), (ids + list(range(50, 60)), 100), (ids[:17] + [0, 0], 100),
+                          (ids, 12), (ids, 19), (ids, 8), ([0] + ids[1:], 100)):
         assert store.stored_tokens(chain_seed(ME, None), prompt, limit) == \
             store.lookup(chain_seed(ME, None), ME, prompt, limit).tokens, (prompt, limit)
     assert store.stored_tokens(chain_seed(ME, "other"), ids, 100) == 0
