@@ -4,7 +4,9 @@ Letters: T prompt tokens, m held-back tokens, n tokens the connector loads, H kv
 
 The engine asks the connector, per new request, how many prompt tokens it can supply beyond the engine's own
 prefix-cache hit (``get_num_new_matched_tokens``). For a request that asks for mapped K/V the answer is every
-prompt token but the last ``m`` (``hold_back``); the scheduler allocates their blocks and, in the same step,
+prompt token but the last ``m`` (``hold_back``) — with the source engine's KV store, when the prompt's stored
+prefix leaves at most ``native_rest`` tokens before them (a conversation's new turn), that prefix only, and the
+engine computes the rest itself; the scheduler allocates their blocks and, in the same step,
 the worker side runs the source prefill and the mapper through kvbridge's own transformers path
 (:class:`kvbridge.Bridge`: every lever of the artifact, selective recompute included, RoPE re-applied at the
 positions vLLM uses) and writes the post-RoPE K/V through the attention backend's own cache-update op
