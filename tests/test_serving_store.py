@@ -120,6 +120,24 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
         assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(history) - 1, st
         assert st["kvbridge_stored_tokens"] == st["kvbridge_premapped_tokens"] == len(history) - 1, st
         assert w == c, len(turn)
+    # entries the scheduler counted that fail the worker's checks (the second block's source and mapped entries
+    # corrupted in the two longer conversations): the source maps from there, the new turn stays the target's
+    from kvbridge.serving.producer import folder_identity
+    from kvbridge.serving.store import KVStore, chain, chain_seed
+
+    assert serve_source(source, prompts, salt="s-bad") == histories
+    store = KVStore(engines[3])
+    for history in histories[1:]:
+        key = chain(chain_seed(folder_identity(config.source), "s-bad"), history, store.block_tokens)[1]
+        for path in (store.path(key), next(store.root.glob(f"entries/{key[:2]}/{key}.*.mapped.safetensors"))):
+            raw = bytearray(path.read_bytes())
+            raw[-5] ^= 0x40
+            path.write_bytes(bytes(raw))
+    warm, status = ask_target(target, config, turns, salt="s-bad")
+    for i, (history, st, w, c) in enumerate(zip(histories, status, warm, held)):
+        assert st["kvbridge_mapped_tokens"] == len(history) - 1 and w == c, (i, st)
+        assert st["kvbridge_stored_tokens"] == st["kvbridge_premapped_tokens"] == \
+            (len(history) - 1 if i == 0 else store.block_tokens), (i, st)
 
 
 def test_refused_entries_are_counted_and_the_cold_path_answers(engines):

@@ -115,7 +115,7 @@ def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0
 
 
 ANSWER_TOKENS = 48  # each source answer
-SETTLE_S = 1.0  # between the source's last answer (and its replay under a second salt) and the escalated turn
+SETTLE_S = 1.0  # between the source's last answer (and its replays under other salts) and the escalated turn
 QUESTION_TOKENS = 24  # the escalated turn's user message
 
 

@@ -65,7 +65,10 @@ def pair_config(args, **settings):
     return config, name, not args.source
 
 
-def add_native_rest(group, default: int) -> None:
+def add_native_rest(group) -> None:
+    from .config import ServeConfig
+
+    default = ServeConfig(mapper="-", source="-", target="-").native_rest
     group.add_argument("--native-rest", type=int, default=default, metavar="N",
                        help="when a prompt's stored prefix leaves at most N tokens (a conversation's new turn), the "
                             "target computes them itself over the stored prefix and the source does not run; 0: the "
@@ -96,12 +99,13 @@ def _serve_parser() -> argparse.ArgumentParser:
                                    "context whose mapped TTFT beat native")
     w = p.add_argument_group("warm transfer (the source engine's stored KV: see kvbridge serve-source)")
     w.add_argument("--store", help="the KV store a `kvbridge serve-source` engine writes: prompt blocks found there "
-                                   "are read where it mapped them ahead, else mapped without a source prefill "
-                                   "(default: none, every mapped prefix is cold)")
+                                   "are read where it mapped them ahead, else mapped without a source prefill; "
+                                   "a short rest after them is computed by the target (--native-rest) (default: "
+                                   "none, every mapped prefix is cold)")
     w.add_argument("--no-store-verify", dest="store_verify", action="store_false",
                    help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
                         "4 MB)")
-    add_native_rest(w, d.native_rest)
+    add_native_rest(w)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -347,7 +351,6 @@ def _cmd_serve_source(args) -> int:
 
 def _cascade_parser() -> argparse.ArgumentParser:
     from .cascade import default_store
-    from .config import ServeConfig
 
     p = argparse.ArgumentParser(
         prog="kvbridge cascade",
@@ -364,7 +367,7 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the source engine stores its K/V only; the target maps them when a turn escalates "
                         "(default: the source engine also maps each stored block ahead, in a background thread)")
-    add_native_rest(p, ServeConfig(mapper="-", source="-", target="-").native_rest)
+    add_native_rest(p)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
@@ -386,7 +389,7 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
             source += ["--map-dtype", args.connector_dtype]
     for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
                  "recompute", "connector_device", "connector_dtype", "native_rest"):
-        value = getattr(args, flag, None)  # (cascade-bench has no --native-rest: it sets it per request)
+        value = getattr(args, flag)
         if value is not None and not (flag.startswith("connector_") and value == "auto"):
             target += [f"--{flag.replace('_', '-')}", str(value)]
     if args.allow_revision_mismatch:
@@ -414,17 +417,15 @@ def _cmd_cascade(args) -> int:
 
 
 def _cascade_bench_parser() -> argparse.ArgumentParser:
-    from .config import ServeConfig
-
     p = argparse.ArgumentParser(
         prog="kvbridge cascade-bench",
         description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
                     "then a third turn escalated to the target five ways — native (the target re-prefills the "
-                    "history), warm (the source's stored KV, mapped ahead, the new turn computed by the target), warm "
-                    "with the new turn mapped too (--native-rest 0), mapped at the switch (warm, blocks mapped ahead "
-                    "ignored) and cold (mapped from a fresh source prefill) — in rotating order, then native again "
-                    "(a hit in the target's own prefix cache: the "
-                    "ceiling of any transfer); median time to the first streamed token of each, and the escalated "
+                    "history), warm (the source's stored KV, mapped ahead, the new turn computed by the target: "
+                    "--native-rest), warm with the new turn mapped too (a native rest of 0), mapped at the switch "
+                    "(warm, blocks mapped ahead ignored) and cold (mapped from a fresh source prefill) — in "
+                    "rotating order, then native again (a hit in the target's own prefix cache: the ceiling of any "
+                    "transfer); median time to the first streamed token of each, and the escalated "
                     "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
                     "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
                     "running ones (--source-url, --target-url).")
@@ -440,7 +441,7 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the started source server stores its K/V only, the target maps them on escalation "
                         "(default: the source server maps each stored block ahead)")
-    add_native_rest(p, ServeConfig(mapper="-", source="-", target="-").native_rest)
+    add_native_rest(p)
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")

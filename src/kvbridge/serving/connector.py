@@ -157,17 +157,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self._counts[(engine_idx, c)].inc(transfer_stats_data[c])
 
 
-def store_identity(source) -> str:
-    """The KV store identity of a loaded source model (its weights loaded or not:
-    :func:`kvbridge.models.load_rope_model`)."""
-    from ..models import source_hidden_size
-    from .store import identity
-
-    info = source.info
-    return identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads, info.head_dim,
-                    source_hidden_size(source.model))
-
-
 def _same_model(a: str, b: str) -> bool:
     try:
         return Path(a).resolve() == Path(b).resolve()
@@ -219,6 +208,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._map_ms: dict[str, float] = {}
         self._stored: dict[str, tuple[int, int]] = {}  # request id -> prefix tokens from the store, mapped ahead
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
+        self._counted: dict[str, tuple[int, int]] = {}  # request id -> (limit, stored tokens): asked each step
         self._stats = KVBridgeStats()
         # worker side
         self._bridge = None
@@ -230,10 +220,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
-        elif self.config.store:  # the scheduler looks up how much of a prompt is stored (no weights loaded)
-            from ..models import load_rope_model
+        elif self.config.store:  # the scheduler counts how much of a prompt is stored (no weights loaded)
+            try:
+                from .producer import folder_identity
 
-            self._identity = store_identity(load_rope_model(self.config.source))
+                self._identity = folder_identity(self.config.source)
+            except Exception as exc:  # the store is an optimization: every prompt token is then loaded
+                logger.warning("kvbridge connector: cannot tell the source's store identity from %s (%s); the "
+                               "rest after a stored prefix is mapped from the source, never left to the engine",
+                               self.config.source, exc)
 
     # -- worker side ---------------------------------------------------------------------------
     def _load_bridge(self):
@@ -255,7 +250,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
         if self.config.store:
-            self._identity = store_identity(bridge.source)
+            from ..models import source_hidden_size
+            from .store import identity
+
+            info = bridge.source.info
+            self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
+                                      info.head_dim, source_hidden_size(bridge.source.model))
             from ..artifact import CHECKSUMS_FILE
             from .store import map_identity, target_description
 
@@ -296,10 +296,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """``(keys, values, stored tokens, refusal, premapped tokens)``: post-RoPE target K/V (T, H, D) per layer for
         ``token_ids``, from the source and the mapper (and the target's recompute of the chosen tokens): what
         :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
-        the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest only;
-        of that prefix, the blocks the source engine mapped ahead are read, not mapped (a map that recomputes no
-        token and finds all of ``token_ids`` mapped ahead reads those entries alone). ``refusal`` says why a store
-        entry was skipped (None: none was); whatever fails with the store's entries, the cold path answers."""
+        the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest of
+        ``token_ids`` (the scheduler loads only the stored prefix when the rest is the engine's: then there is
+        none, unless an entry it counted fails its checks here); of that prefix, the blocks the source engine
+        mapped ahead are read, not mapped (a map that recomputes no token and finds all of ``token_ids`` mapped
+        ahead reads those entries alone). ``refusal`` says why a store entry was skipped (None: none was); whatever
+        fails with the store's entries, the cold path answers."""
         from ..models import cache_kv
         from ..recompute import Stored
 
@@ -309,24 +311,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
-                    from .store import chain_seed
+                    from .store import chain, chain_seed
 
-                    if use_store is True and not self._bridge.selects_tokens:  # the map's output is all it needs
-                        ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
-                                             len(token_ids), map_id=self._map_id)
-                        if ahead.tokens == len(token_ids) and all(
+                    seed, ahead = chain_seed(self._identity, salt), None
+                    if use_store is True:  # the blocks mapped ahead, read once ("source": ignored, a comparison)
+                        ahead = store.lookup(seed, self._identity, token_ids, len(token_ids), map_id=self._map_id)
+                        refusal = ahead.reason
+                        if ahead.tokens == len(token_ids) and not self._bridge.selects_tokens and all(
                                 math.isfinite(t.sum(dtype=torch.float32)) for t in ahead.keys + ahead.values):
+                            # the map's output is all this map needs: the source's entries are not read, only
+                            # marked used (the scheduler counts them: they must not be evicted first)
+                            store.touch(chain(seed, token_ids, store.block_tokens))
                             return ([k[0].transpose(0, 1) for k in ahead.keys],
                                     [v[0].transpose(0, 1) for v in ahead.values], ahead.tokens, None, ahead.tokens)
-                    found = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids, len(token_ids))
-                    tokens, refusal = found.tokens, found.reason
+                    found = store.lookup(seed, self._identity, token_ids, len(token_ids))
+                    tokens, refusal = found.tokens, found.reason or refusal
                     if found.tokens:
                         mapped = None
-                        if use_store != "source":  # "source": mapped at the switch (a comparison)
-                            ahead = store.lookup(chain_seed(self._identity, salt), self._identity, token_ids,
-                                                 found.tokens, map_id=self._map_id)
-                            refusal, premapped = refusal or ahead.reason, ahead.tokens
-                            mapped = (ahead.keys, ahead.values) if ahead.tokens else None
+                        if ahead is not None and ahead.tokens:  # (within the stored source prefix)
+                            premapped = min(ahead.tokens, found.tokens)
+                            mapped = tuple([t[:, :, :premapped] for t in layers]
+                                           for layers in (ahead.keys, ahead.values))
                         stored = Stored(found.tokens, found.keys, found.values, found.hidden, mapped)
                         cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
             except Exception as exc:
@@ -424,7 +429,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     "kvbridge.serving.mapped_request)"), 0
         end = self._warm_end(request, end, use_store, self.config.native_rest if native_rest is None else native_rest)
         if num_computed_tokens >= end:  # K/V of this mapper's namespace (mapped, or recomputed after a fallback)
-            return "cached: the whole prefix was a prefix-cache hit in the mapper's namespace", 0
+            return "cached: the prefix to load was a prefix-cache hit in the mapper's namespace", 0
         return "mapped", end - num_computed_tokens
 
     def _warm_end(self, request, end: int, use_store: bool | str, native_rest: int) -> int:
@@ -440,8 +445,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 return end
             from .store import chain_seed
 
-            seed = chain_seed(self._identity, client_salt(request.cache_salt, self.namespace))
-            stored = store.stored_tokens(seed, list(request.prompt_token_ids), end)
+            limit, stored = self._counted.get(request.request_id, (None, 0))
+            if limit != end:
+                seed = chain_seed(self._identity, client_salt(request.cache_salt, self.namespace))
+                stored = store.stored_tokens(seed, list(request.prompt_token_ids), end)
+                self._counted[request.request_id] = (end, stored)
         except Exception as exc:  # the store is an optimization: the worker's own lookup decides
             logger.warning("kvbridge connector: the store lookup for request %s failed (%s)", request.request_id, exc)
             return end
@@ -464,6 +472,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if rid not in self._decided:
             return
         status, tokens, end = self._decided.pop(rid)
+        self._counted.pop(rid, None)
         if num_external_tokens < tokens:  # the engine took less than was claimed: never say mapped
             status = "fallback: the engine did not load the mapped prefix"
         self._status[rid], self._tokens[rid] = status, num_external_tokens if status == "mapped" else 0
@@ -493,7 +502,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         rid = request.request_id
         status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
         tokens, ms, stored = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None), self._stored.pop(rid, None)
-        for state in (self._planned, self._decided):
+        for state in (self._planned, self._decided, self._counted):
             state.pop(rid, None)
         if status is None:
             return False, None

@@ -6,7 +6,8 @@ Warm transfer: when the source model has already served a conversation, its engi
 mapper needs; the target's connector maps them instead of running the source again. The source engine's producer
 connector (:mod:`kvbridge.serving.producer`) writes each full block of ``block_tokens`` tokens it computes (prompt
 or generated) as one entry; the target's connector (:mod:`kvbridge.serving.connector`) reads the longest stored
-prefix of a prompt, block by block, and runs the source over the rest only.
+prefix of a prompt, block by block; the target engine computes a short rest itself (a conversation's new turn),
+the source runs over a longer one.
 
 Keys chain like vLLM's own prefix cache: block ``i``'s key is SHA-256 of block ``i − 1``'s key and block ``i``'s
 token ids, the chain seeded with the source's :func:`identity` and the request's own ``cache_salt`` — so an entry
@@ -105,6 +106,14 @@ def _sections(data) -> tuple[dict, memoryview]:
     view = memoryview(data)
     n = int.from_bytes(view[:8], "little")
     return json.loads(bytes(view[8:8 + n])), view[8 + n:]
+
+
+def _shared(stored: list[int], ids: list[int], start: int, limit: int) -> int:
+    """How many of a tail's token ids ``stored`` the prompt ``ids`` repeats from ``start``, up to ``limit``."""
+    m = 0
+    while m < min(len(stored), limit - start) and stored[m] == ids[start + m]:
+        m += 1
+    return m
 
 
 @dataclass
@@ -343,10 +352,7 @@ class KVStore:
                     stored = handle.get_tensor("ids").tolist()
             except Exception:  # absent (most often), torn, not an entry: the reader decides, nothing found here
                 return min(start, limit)
-            m = 0
-            while m < min(len(stored), limit - start) and stored[m] == ids[start + m]:
-                m += 1
-            start += m
+            start += _shared(stored, ids, start, limit)
         return min(start, limit)
 
     def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None) -> Found:
@@ -378,10 +384,7 @@ class KVStore:
             if isinstance(tail, str):
                 found.refused, found.reason = 1, tail
             elif tail is not None:
-                stored = tail["ids"].tolist()
-                m = 0
-                while m < min(len(stored), limit - start) and stored[m] == ids[start + m]:
-                    m += 1
+                m = _shared(tail["ids"].tolist(), ids, start, limit)
                 if m:
                     parts.append({name: t[:, :m] if name in ("key", "value") else t[:m] for name, t in tail.items()})
         if parts:
