@@ -308,3 +308,17 @@ def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):
     (folder / "mapper.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="target's RoPE is 'dynamic'"):
         check_map_ahead(str(folder))
+
+
+def test_escalation_conversations_have_the_asked_lengths():
+    from transformers import AutoTokenizer
+
+    from kvbridge.serving.cascade import conversation_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(family.target_path())
+    for question in (24, 200):
+        texts = conversation_texts(tokenizer, 3, 1000, seed=1, question_tokens=question)
+        assert len(texts) == 3 and len({t[0] for t in texts}) == 3  # distinct conversations
+        for first, second, asked in texts:
+            assert abs(len(tokenizer(asked, add_special_tokens=False).input_ids) - question) <= 4
+            assert abs(len(tokenizer(first + second, add_special_tokens=False).input_ids) - (1000 - 136)) <= 16

@@ -93,14 +93,15 @@ def launched_pair(source_args: list[str], target_args: list[str], log_dir: str |
         yield source_url, target_url
 
 
-def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0) -> list[list[str]]:
+def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0,
+                       question_tokens: int = 24) -> list[list[str]]:
     """``count`` conversations' three user messages from held-out documents: two long ones (together about
-    ``history_tokens`` tokens with the source's answers) and a short escalated question."""
+    ``history_tokens`` tokens with the source's answers) and an escalated question of ``question_tokens``."""
     from .bench import heldout_stream
 
     stream = heldout_stream(tokenizer)
     long = max(16, (history_tokens - 2 * ANSWER_TOKENS - 40) // 2)
-    need = 2 * long + QUESTION_TOKENS
+    need = 2 * long + question_tokens
     span = len(stream) - need
     if span <= 0:
         raise KVBridgeError(f"the held-out texts hold {len(stream)} tokens, too few for {history_tokens}-token "
@@ -116,7 +117,6 @@ def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0
 
 ANSWER_TOKENS = 48  # each source answer
 SETTLE_S = 1.0  # between the source's last answer (and its replays under other salts) and the escalated turn
-QUESTION_TOKENS = 24  # the escalated turn's user message
 
 
 async def _turn(client, model: str, messages: list[dict], max_tokens: int, params: dict | None = None,
@@ -244,14 +244,15 @@ async def _prompt_tokens(client, model: str, messages: list[dict]) -> int:
 
 def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,
                       histories: list[int], conversations: int, warmup: int = 2, new_tokens: int = 16,
-                      native_rest: int = 256, progress=print) -> dict:
+                      native_rest: int = 256, question_tokens: int = 24, progress=print) -> dict:
     """Every row of the escalation benchmark against two running servers; ``native_rest``: the warm ways' (the most
-    tokens after the stored prefix the target computes itself)."""
+    tokens after the stored prefix the target computes itself); ``question_tokens``: the escalated turn's new user
+    message."""
     rows, raw = [], {}
     started = time.perf_counter()
     floor = asyncio.run(_floor(target_url, target_model))
     for h in histories:
-        texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h)
+        texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h, question_tokens=question_tokens)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
                                            new_tokens, native_rest, progress))
         native = [r["native"][1] for r in results]
@@ -293,7 +294,7 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
                        {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"}
                        for r in results]
     return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
-            "engine_floor_ms": floor, "native_rest": native_rest,
+            "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
             "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
             "rows": [asdict(r) for r in rows], "conversations": raw}
 

@@ -436,6 +436,8 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=12, help="timed conversations per length (default: 12)")
     p.add_argument("--warmup", type=int, default=2, help="untimed conversations first (default: 2)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens of each escalated answer (default: 16)")
+    p.add_argument("--question-tokens", type=int, default=24,
+                   help="tokens of the escalated turn's new user message (default: 24)")
     p.add_argument("--store", help="the store the started servers share (default: a new temporary folder)")
     p.add_argument("--store-cap-gb", type=float, default=2.0, help="its size cap (default: 2)")
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
@@ -457,8 +459,10 @@ def _cmd_cascade_bench(args) -> int:
     from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
 
     histories = counts(args.histories, minimum=256, flag="--histories")
-    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1:
-        raise KVBridgeError("--conversations and --new-tokens must be >= 1, --warmup >= 0.")
+    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \
+            args.native_rest < 0:
+        raise KVBridgeError("--conversations, --new-tokens and --question-tokens must be >= 1, --warmup and "
+                            "--native-rest >= 0.")
     if (args.source_url is None) != (args.target_url is None):
         raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
                             "neither to start them.")
@@ -472,7 +476,8 @@ def _cmd_cascade_bench(args) -> int:
     def measure(source_url, target_url):
         names = [_first_model(url) for url in (source_url, target_url)]
         return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
-                                 args.conversations, args.warmup, args.new_tokens, args.native_rest, say)
+                                 args.conversations, args.warmup, args.new_tokens, args.native_rest,
+                                 args.question_tokens, say)
 
     try:
         if args.source_url:
