@@ -168,3 +168,22 @@ def test_scores_through_the_engine_equal_bridge_and_skipped_loads_are_not_called
                                               extra_args=extra), use_tqdm=False)[0]
     assert out.kv_transfer_params["kvbridge"].startswith("fallback: the request skips the prefix cache")
     assert list(out.outputs[0].token_ids) == reference(bridge, ids, "native")[:2]
+
+
+def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapper):
+    """The connector's target: config and RoPE without recompute (the engine holds the weights; the mapped prefix
+    above equals Bridge's with it), a transformers copy of the weights when chosen tokens are recomputed."""
+    from kvbridge import family
+    from kvbridge.mapper import read_config
+    from kvbridge.models import RopeOnly
+    from kvbridge.serving import ServeConfig
+    from kvbridge.serving.connector import target_copy
+
+    config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path())
+    runtime = read_config(family_fast_mapper).runtime
+    light = target_copy(config, runtime, torch.float32)
+    assert isinstance(light.model, RopeOnly) and sum(p.numel() for p in light.model.parameters()) == 0
+    for options in (runtime.override(recompute=0.04), runtime.override(sink=True)):
+        full = target_copy(config, options, torch.float32)
+        assert not isinstance(full.model, RopeOnly) and sum(p.numel() for p in full.model.parameters()) > 10**6
+        assert full.info == light.info  # the same checkpoint, as the mapper's checks see it

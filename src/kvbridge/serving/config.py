@@ -76,7 +76,7 @@ class ServeConfig(ExtraConfig):
     ``mapper``, ``source`` and ``target``: folders (resolved hub snapshots included); ``target`` must be the model
     the engine serves. ``mode``: the default for requests that do not say; ``min_tokens``: ``auto``'s break-even
     prompt length. ``device``/``dtype``: where the source and the mapper run inside the engine's worker (the
-    target's transformers copy — its RoPE, its config, its weights for the recompute — sits beside them).
+    target's config and RoPE sit beside them, and its transformers weights only for a selective recompute).
     ``runtime``: overrides of the mapper's runtime options (hold_back, recompute, recompute_by, recompute_window, sink).
     ``store``: the folder of the source engine's KV store (warm transfer: stored blocks of a prompt are mapped
     without a source prefill, or read where that engine mapped them ahead); ``store_verify``: check each entry's

@@ -164,6 +164,17 @@ def _same_model(a: str, b: str) -> bool:
         return a == b
 
 
+def target_copy(config: ServeConfig, runtime, dtype: torch.dtype):
+    """The target as the connector's worker loads it beside the engine's own weights: a transformers copy of its
+    weights only when ``runtime`` (the mapper's options with the server's overrides) recomputes chosen tokens with
+    them (selective recompute, a native sink); otherwise its config and rotary module, what the map's RoPE needs
+    (on the real 8B in bfloat16 the copy would be another 15.8 GiB on the engine's device)."""
+    from ..models import load_model, load_rope_model
+
+    load = load_model if runtime.recompute > 0 or runtime.sink else load_rope_model
+    return load(config.target, device=config.device, dtype=dtype)
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """The kvbridge connector: ``kv_connector="KVBridgeConnector"``, ``kv_connector_module_path=
     "kvbridge.serving.connector"``, settings in ``kv_connector_extra_config`` (:class:`ServeConfig`)."""
@@ -232,7 +243,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------------------------
     def _load_bridge(self):
-        """Source, mapper (and the target's transformers copy) where the config says; checked against each other."""
+        """Source, mapper and target (:func:`target_copy`) where the config says; checked against each other."""
         from ..mapper import Mapper
         from ..models import load_model, resolve_dtype
         from ..transfer import Bridge
@@ -240,13 +251,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         mapper = Mapper.from_pretrained(self.config.mapper, device=self.config.device, dtype=dtype)
         source = load_model(self.config.source, device=self.config.device, dtype=dtype)
-        # the target's transformers copy provides its RoPE, its config and, with recompute, the recomputed tokens
-        target = load_model(self.config.target, device=self.config.device, dtype=dtype)
+        target = target_copy(self.config, self.runtime, dtype)
         bridge = Bridge(source, target, mapper, allow_revision_mismatch=self.config.allow_revision_mismatch,
                         **self.config.runtime)
         recompute = (f"the target recomputes {bridge.recompute:.0%} of each prefix's tokens by "
-                     f"{bridge.recompute_by} (window {bridge.recompute_window}) inside the connector, with its "
-                     "transformers copy" if bridge.selects_tokens else "no selective recompute")
+                     f"{bridge.recompute_by} (window {bridge.recompute_window}) inside the connector, with a "
+                     "transformers copy of its weights" if bridge.selects_tokens else
+                     "no selective recompute (the target's config and RoPE loaded, not its weights)")
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
         if self.config.store:
