@@ -248,6 +248,9 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
     assert "--language-model-only" in source_argv(store, tiny_vlm[0], "vlm", "127.0.0.1", 8001, [])
     with pytest.raises(InputError, match="kv-transfer-config"):
         source_argv(store, family.source_path(), "src", "127.0.0.1", 8001, ["--kv-transfer-config", "{}"])
+    plain = source_argv(None, family.source_path(), "src", "127.0.0.1", 8001, ["--block-size", "64"])
+    assert "--kv-transfer-config" not in plain and "--enforce-eager" in plain and "--hf-overrides" in plain
+    assert plain[:2] == argv[:2] and plain[-2:] == ["--block-size", "64"]  # the baseline: same server, no store
 
 
 def test_bad_store_options_are_one_line(capsys, tmp_path):
@@ -262,6 +265,13 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
     assert "--store-cap-gb" in capsys.readouterr().err
     assert main(["serve-source", "--store", str(tmp_path / "s"), "--source", "x", "--mapper", "m"]) == 1
     assert "--mapper and --target" in capsys.readouterr().err
+    assert main(["serve-source", "--no-store", "--map-ahead"]) == 1
+    assert "--no-store" in capsys.readouterr().err
+    assert main(["cascade-bench", "--baseline-url", "http://127.0.0.1:1"]) == 1
+    assert "--source-url" in capsys.readouterr().err
+    assert main(["cascade-bench", "--source-baseline", "--source-url", "http://127.0.0.1:1", "--target-url",
+                 "http://127.0.0.1:2"]) == 1
+    assert "--baseline-url" in capsys.readouterr().err
 
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):

@@ -171,9 +171,13 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     from kvbridge.serving.cascade import cascade_table, run_cascade_bench
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
+    # the source server stands in as its own baseline here (the baseline's server is `serve-source --no-store`)
     report = run_cascade_bench(servers[0], "kvbridge-family-source", servers[1], "kvbridge-family", tokenizer, [400],
-                               conversations=1, warmup=0, new_tokens=4, progress=lambda _: None)
+                               conversations=1, warmup=0, new_tokens=4, progress=lambda _: None,
+                               baseline_url=servers[0], baseline_model="kvbridge-family-source")
     row = report["rows"][0]
+    assert row["source_answers_equal"] == 1.0 and row["source_ttft_ratio"] > 0 and row["source_answer_ratio"] > 0
+    assert len(report["conversations"]["400"][0]["source_turns"]) == 2 and "without a store" in cascade_table(report)
     assert row["stored_fraction"] > 0.5 and row["premapped_fraction"] == row["stored_fraction"], row
     assert 0 < row["native_fraction"] < 0.5 and row["native_rest"] == 256, row  # the new turn: the target's
     assert row["whole_equals_cold"] == row["remap_equals_warm"] == 1.0 and row["cached_ttft_ms"] > 0

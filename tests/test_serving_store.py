@@ -222,3 +222,37 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     warm, status = ask_target(target, config, [history], salt="s4")
     assert status[0]["kvbridge"] == "mapped" and status[0]["kvbridge_stored_tokens"] == 0, status
     assert warm == cold
+
+
+def test_the_source_engines_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
+    """Writing and mapping ahead never compete with the source's own steps: a block waits until no step ran for
+    IDLE_S (at most DEFER_S after it was queued), and the threads' torch work runs on one OpenMP thread of their
+    own, leaving the engine's setting as it was."""
+    import threading
+
+    import torch
+
+    from kvbridge.serving import producer
+
+    conn = object.__new__(producer.KVBridgeSourceConnector)
+    conn._in_step, conn._last_step = False, 0.0
+    start = time.monotonic()
+    conn._when_idle(start)
+    assert time.monotonic() - start < producer.IDLE_S  # idle: at once
+    conn._in_step, conn._last_step = True, time.monotonic()
+    threading.Timer(0.15, lambda: setattr(conn, "_in_step", False) or setattr(conn, "_last_step",
+                                                                               time.monotonic())).start()
+    start = time.monotonic()
+    conn._when_idle(start)
+    assert time.monotonic() - start >= 0.15 + producer.IDLE_S * 0.9  # after the step, and a quiet spell
+    conn._in_step = True  # a step that does not end: the block goes DEFER_S after it was queued
+    start = time.monotonic()
+    conn._when_idle(start - producer.DEFER_S + 0.1)
+    assert 0.09 <= time.monotonic() - start < 1.0
+
+    threads = []
+    thread = threading.Thread(target=lambda: (producer.single_threaded(), threads.append(torch.get_num_threads())))
+    before = torch.get_num_threads()
+    thread.start()
+    thread.join()
+    assert threads == [1] and torch.get_num_threads() == before

@@ -70,6 +70,16 @@ class CascadeRow:
     warm_token_agreement: float  # mean share of positions where the answer's token equals native's
     whole_token_agreement: float
     cold_token_agreement: float
+    # the source's own turns on the storing server and on the baseline (the source without a store), when measured:
+    # median times to the first token and to the whole answer, the median of each turn's storing ÷ baseline, and
+    # the share of turns whose answers are equal
+    source_storing_ttft_ms: float | None = None
+    source_baseline_ttft_ms: float | None = None
+    source_ttft_ratio: float | None = None
+    source_storing_answer_ms: float | None = None
+    source_baseline_answer_ms: float | None = None
+    source_answer_ratio: float | None = None
+    source_answers_equal: float | None = None
 
 
 def default_store() -> str:
@@ -120,8 +130,8 @@ SETTLE_S = 1.0  # between the source's last answer (and its replays under other 
 
 
 async def _turn(client, model: str, messages: list[dict], max_tokens: int, params: dict | None = None,
-                salt: str | None = None) -> tuple[float, str, list[int]]:
-    """One streamed chat turn: (ms to the first token, text, token ids)."""
+                salt: str | None = None) -> tuple[float, str, list[int], float]:
+    """One streamed chat turn: (ms to the first token, text, token ids, ms to the last)."""
     start = time.perf_counter()
     first, text = None, []
     body = {"ignore_eos": True, "return_token_ids": True}
@@ -139,7 +149,8 @@ async def _turn(client, model: str, messages: list[dict], max_tokens: int, param
                 first = time.perf_counter()
             text.append(delta.content or "")
             tokens += list(getattr(chunk.choices[0], "token_ids", None) or [])
-    return 1000 * ((first or time.perf_counter()) - start), "".join(text), tokens
+    end = time.perf_counter()
+    return 1000 * ((first or end) - start), "".join(text), tokens, 1000 * (end - start)
 
 
 def metric(url: str, name: str) -> float:
@@ -160,21 +171,43 @@ def _agreement(answer: list[int], reference: list[int]) -> float:
     return sum(a == b for a, b in zip(answer, reference)) / n
 
 
+async def _source_turn(source, source_model, baseline, baseline_model, messages, salt, order: int, turns: list):
+    """One of the source's turns: its answer, from the storing server. With a baseline (the source served without a
+    store) the turn goes to both, in alternating order, a settle apart; their times and answers are kept in
+    ``turns``."""
+    if baseline is None:
+        return (await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt))[1]
+    out = {}
+    for k, name in enumerate(("storing", "baseline") if order % 2 == 0 else ("baseline", "storing")):
+        if k:
+            await asyncio.sleep(SETTLE_S)  # the storing engine's background writes and maps done, both idle
+        client, model = (source, source_model) if name == "storing" else (baseline, baseline_model)
+        out[name] = await _turn(client, model, messages, ANSWER_TOKENS, salt=salt)
+    turns.append({f"{name}_{what}": value for name, (ttft, _, tokens, total) in out.items()
+                  for what, value in (("ttft_ms", ttft), ("answer_ms", total), ("tokens", tokens))})
+    return out["storing"][1]
+
+
 async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, native_rest,
-                       progress):
-    """Per conversation: the source's two turns, then the escalated turn each way (rotating order)."""
+                       progress, baseline_url=None, baseline_model=None):
+    """Per conversation: the source's two turns (to the baseline too, if any), then the escalated turn each way
+    (rotating order)."""
     from openai import AsyncOpenAI
 
-    source = AsyncOpenAI(base_url=source_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    target = AsyncOpenAI(base_url=target_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    def client(url):
+        return AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    source, target = client(source_url), client(target_url)
+    baseline = client(baseline_url) if baseline_url else None
     results = []
     try:
         for i, (first, second, question) in enumerate(texts):
             salt = f"cascade-{i}-{time.time_ns()}"  # each conversation its own, in both engines' caches and the store
+            turns: list[dict] = []
             messages = [{"role": "user", "content": first}]
-            _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
+            answer = await _source_turn(source, source_model, baseline, baseline_model, messages, salt, i, turns)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
-            _, answer, _ = await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt)
+            answer = await _source_turn(source, source_model, baseline, baseline_model, messages, salt, i + 1, turns)
             # the same turn under other salts (greedy: the same answer), so that the conversation is stored again
             # for each way that reads a copy of its own (one salt would make it a prefix-cache hit)
             for way in COPIES:
@@ -192,8 +225,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                 before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, PREMAPPED, MAP_SECONDS)}
                 # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
                 # the others keep their own so that no way reads another's blocks from the target's prefix cache
-                ttft, _, tokens = await _turn(target, target_model, messages, new_tokens, params,
-                                              salt if way == "warm" else f"{salt}-{way}")
+                ttft, _, tokens, _ = await _turn(target, target_model, messages, new_tokens, params,
+                                                 salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
                 # streamed responses carry no kv_transfer_params: the server's counters say what the connector did
                 row[f"{way}_connector_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, MAP_SECONDS)
@@ -205,14 +238,16 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                     row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
                     row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
+            row["source_turns"] = turns
             if i >= warmup:
                 results.append(row)
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
                      f"{row['warm'][0]:.1f} ms, all mapped {row['whole'][0]:.1f} ms, mapped at the switch "
                      f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
     finally:
-        await source.close()
-        await target.close()
+        for c in (source, target, baseline):
+            if c is not None:
+                await c.close()
     return results
 
 
@@ -242,19 +277,40 @@ async def _prompt_tokens(client, model: str, messages: list[dict]) -> int:
     return int(out.usage.prompt_tokens)
 
 
+def _source_cost(results: list[dict]) -> dict:
+    """The source turns' figures of a row (:class:`CascadeRow`'s ``source_*``; the ratios are medians of each turn's
+    storing ÷ baseline); empty without a baseline."""
+    turns = [t for r in results for t in r["source_turns"]]
+    if not turns:
+        return {}
+
+    def med(key: str) -> float:
+        return statistics.median(t[key] for t in turns)
+
+    def ratio(what: str) -> float:
+        return statistics.median(t[f"storing_{what}"] / t[f"baseline_{what}"] for t in turns)
+
+    return dict(source_storing_ttft_ms=med("storing_ttft_ms"), source_baseline_ttft_ms=med("baseline_ttft_ms"),
+                source_ttft_ratio=ratio("ttft_ms"), source_storing_answer_ms=med("storing_answer_ms"),
+                source_baseline_answer_ms=med("baseline_answer_ms"), source_answer_ratio=ratio("answer_ms"),
+                source_answers_equal=sum(t["storing_tokens"] == t["baseline_tokens"] for t in turns) / len(turns))
+
+
 def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,
                       histories: list[int], conversations: int, warmup: int = 2, new_tokens: int = 16,
-                      native_rest: int = 256, question_tokens: int = 24, progress=print) -> dict:
+                      native_rest: int = 256, question_tokens: int = 24, progress=print,
+                      baseline_url: str | None = None, baseline_model: str | None = None) -> dict:
     """Every row of the escalation benchmark against two running servers; ``native_rest``: the warm ways' (the most
     tokens after the stored prefix the target computes itself); ``question_tokens``: the escalated turn's new user
-    message."""
+    message; ``baseline_url``: the source served without a store, which answers each source turn too (what storing
+    costs the source's own requests)."""
     rows, raw = [], {}
     started = time.perf_counter()
     floor = asyncio.run(_floor(target_url, target_model))
     for h in histories:
         texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h, question_tokens=question_tokens)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
-                                           new_tokens, native_rest, progress))
+                                           new_tokens, native_rest, progress, baseline_url, baseline_model))
         native = [r["native"][1] for r in results]
         med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
         med["cached"] = statistics.median(r["cached_ms"] for r in results)
@@ -288,12 +344,14 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
             warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
             cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
-            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold")))
+            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"), **_source_cost(results)))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
                        {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens")} |
-                       {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"}
+                       {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"} |
+                       ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
                        for r in results]
-    return {"source_url": source_url, "target_url": target_url, "warmup_conversations": warmup,
+    return {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
+            "warmup_conversations": warmup,
             "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
             "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
             "rows": [asdict(r) for r in rows], "conversations": raw}
@@ -315,6 +373,16 @@ def cascade_table(report: dict) -> str:
                      f"({r['premapped_fraction']:.0%}) | {r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
+    measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]
+    if measured:
+        lines += ["", "The source's own turns, served storing its K/V (and mapping them ahead, if on) vs. without a "
+                  "store (median):", "", "| History tokens | TTFT: storing / without a store | Whole answer: storing "
+                  "/ without a store | Same answers |", "|" + "---:|" * 4]
+        for r in measured:
+            lines.append(f"| {r['history_tokens']:,} | {r['source_storing_ttft_ms']:.1f} / "
+                         f"{r['source_baseline_ttft_ms']:.1f} ms ({r['source_ttft_ratio']:.2f}×) | "
+                         f"{r['source_storing_answer_ms']:.0f} / {r['source_baseline_answer_ms']:.0f} ms "
+                         f"({r['source_answer_ratio']:.2f}×) | {r['source_answers_equal']:.0%} |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ serve``, the benchmarks to the servers they start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from ..console import EPILOG, check_results, counts, log, require
@@ -300,6 +301,9 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
+    p.add_argument("--no-store", dest="storing", action="store_false",
+                   help="serve the source with vLLM alone, same settings, nothing stored: the baseline of what "
+                        "storing costs the source's own requests (kvbridge cascade-bench --source-baseline)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
@@ -336,6 +340,9 @@ def _cmd_serve_source(args) -> int:
     from .. import family
     from .server import resolve_model, serve_source
 
+    if not args.storing and (args.map_ahead or args.mapper or args.target):
+        raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target) needs "
+                            "the store; drop one or the other.")
     if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
         raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
     if args.source:
@@ -345,8 +352,8 @@ def _cmd_serve_source(args) -> int:
         source, name = family.source_path(), "kvbridge-family-source"
         if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
             args.vllm_args += ["--chat-template", family.chat_template_path()]
-    return serve_source(_store_config(args, source), source, args.served_model_name or name, args.host, args.port,
-                        args.vllm_args)
+    return serve_source(_store_config(args, source) if args.storing else None, source,
+                        args.served_model_name or name, args.host, args.port, args.vllm_args)
 
 
 def _cascade_parser() -> argparse.ArgumentParser:
@@ -432,6 +439,12 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     add_pair(p)
     p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
     p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
+    p.add_argument("--source-baseline", action="store_true",
+                   help="also start the source without a store (`kvbridge serve-source --no-store`, the storing "
+                        "server's block size) and send each source turn to both, in alternating order: what storing "
+                        "(and mapping ahead) costs the source's own requests, and whether their answers stay the same")
+    p.add_argument("--baseline-url", help="with --source-url: a running `kvbridge serve-source --no-store` server as "
+                                          "the baseline (implies --source-baseline)")
     p.add_argument("--histories", default="1024,2000", help="conversation lengths in tokens (default: 1024,2000)")
     p.add_argument("--conversations", type=int, default=12, help="timed conversations per length (default: 12)")
     p.add_argument("--warmup", type=int, default=2, help="untimed conversations first (default: 2)")
@@ -466,6 +479,12 @@ def _cmd_cascade_bench(args) -> int:
     if (args.source_url is None) != (args.target_url is None):
         raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
                             "neither to start them.")
+    if args.baseline_url and not args.source_url:
+        raise KVBridgeError("--baseline-url goes with --source-url and --target-url (running servers); to start one, "
+                            "pass --source-baseline.")
+    if args.source_baseline and args.source_url and not args.baseline_url:
+        raise KVBridgeError("--source-baseline starts its server beside the ones it starts; with --source-url, give a "
+                            "running `kvbridge serve-source --no-store` as --baseline-url.")
     if args.json:
         check_output_file(args.json, "--json")
     require("openai", "serve", "kvbridge cascade-bench")
@@ -473,23 +492,27 @@ def _cmd_cascade_bench(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     say = lambda m: log(f"  {m}")  # noqa: E731
 
-    def measure(source_url, target_url):
+    def measure(source_url, target_url, baseline_url=None):
         names = [_first_model(url) for url in (source_url, target_url)]
         return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
                                  args.conversations, args.warmup, args.new_tokens, args.native_rest,
-                                 args.question_tokens, say)
+                                 args.question_tokens, say, baseline_url,
+                                 _first_model(baseline_url) if baseline_url else None)
 
     try:
         if args.source_url:
-            report = measure(args.source_url.rstrip("/"), args.target_url.rstrip("/"))
+            report = measure(args.source_url.rstrip("/"), args.target_url.rstrip("/"),
+                             args.baseline_url.rstrip("/") if args.baseline_url else None)
         else:
             with tempfile.TemporaryDirectory(prefix="kvbridge-store-") as tmp:
                 args.store = args.store or tmp
                 _store_config(args)
                 source_args, target_args = pair_argv(args)
-                log(f"starting the source and target servers (logs in {args.log_dir}/)")
-                with launched_pair(source_args, target_args + args.vllm_args, args.log_dir) as urls:
-                    report = measure(*urls)
+                also = " and the source without a store" if args.source_baseline else ""
+                log(f"starting the source and target servers{also} (logs in {args.log_dir}/)")
+                with launched_pair(source_args, target_args + args.vllm_args, args.log_dir) as urls, \
+                        _baseline(args) as baseline:
+                    report = measure(*urls, baseline)
     except openai.OpenAIError as exc:
         raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
@@ -503,6 +526,26 @@ def _cmd_cascade_bench(args) -> int:
     if args.json:
         write_cascade(report, args.json)
     return 0
+
+
+@contextlib.contextmanager
+def _baseline(args):
+    """The source served without a store, with the storing server's block size (cascade-bench --source-baseline);
+    None without that option."""
+    if not args.source_baseline:
+        yield None
+        return
+    from .server import launched
+    from .store import STORE_FILE, KVStore
+
+    argv = ["--no-store"]
+    for flag in ("source", "source_revision"):
+        if getattr(args, flag):
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if (Path(args.store) / STORE_FILE).exists():
+        argv += ["--block-size", str(KVStore(args.store).block_tokens)]
+    with launched(argv, Path(args.log_dir) / "baseline.log", command="serve-source") as url:
+        yield url
 
 
 def _first_model(url: str) -> str:

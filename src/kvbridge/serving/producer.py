@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,24 @@ logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
 LAG_TAILS = 4096  # map-ahead: the last source tokens of this many recent blocks, for the lags of the block after
 MAP_QUEUE_BYTES = 256 << 20  # stored blocks waiting to be mapped; beyond, blocks are not mapped ahead (logged)
+# The background threads work while the engine is idle: their Python holds the interpreter's lock the engine's
+# steps need, and their torch threads share its cores (on a 2-core CPU, writing and mapping as the source decoded
+# doubled its answer times). A block waits for IDLE_S without a step, at most DEFER_S (under a steady load it is
+# then stored anyway: at the engine's pace, a little late).
+IDLE_S = 0.02
+DEFER_S = 2.0
+
+
+def single_threaded() -> None:
+    """This thread's torch work on one OpenMP thread (the calling thread's own setting; ``torch.set_num_threads``
+    would change the engine's too): a background thread's parallel regions must not take the engine's cores."""
+    import ctypes
+
+    torch.get_num_threads()  # torch's first call in a thread sets the thread's OpenMP count to its global one
+    try:
+        ctypes.CDLL(None).omp_set_num_threads(1)
+    except (AttributeError, OSError):  # no OpenMP runtime in the process: nothing to limit
+        pass
 
 
 @dataclass
@@ -197,6 +216,8 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._queued_lock = threading.Lock()
         self._map_queue: queue.Queue | None = None
         self._map_bytes = 0
+        self._in_step = False  # the engine's step is running (bound metadata, not yet saved)
+        self._last_step = 0.0  # time.monotonic() of the last step's start or end
         if role == KVConnectorRole.WORKER:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
@@ -299,12 +320,13 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update = update
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._in_step, self._last_step = True, time.monotonic()
         super().bind_connector_metadata(connector_metadata)
         captures = getattr(connector_metadata, "captures", None)
         self._step = {"captures": captures, "rows": None, "kv": {}} if captures else None
 
-    def _rows(self, slot_mapping: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each capture's rows in this step's flattened tokens, found by its slots."""
+    def _rows(self, slot_mapping: torch.Tensor) -> dict[str, slice]:
+        """Each capture's rows in this step's flattened tokens (consecutive), found by its slots."""
         slots = slot_mapping.detach().to("cpu", torch.long)
         rows = {}
         bs = self.block_size
@@ -317,7 +339,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 continue
             row = int(hit[0, 0])
             if row + cap.count <= slots.numel() and torch.equal(slots[row:row + cap.count], want):
-                rows[cap.request_id] = torch.arange(row, row + cap.count)
+                rows[cap.request_id] = slice(row, row + cap.count)
         return rows
 
     def _observe_kv(self, layer, key, value, slot_mapping) -> None:
@@ -330,8 +352,8 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             index = self._layers.get(getattr(layer, "layer_name", None))
             if index is not None and step["rows"]:
                 shape = (-1, layer.num_kv_heads, layer.head_size)  # (n, H, D)
-                step["kv"][index] = {rid: (key[rows.to(key.device)].detach().to("cpu", copy=True).reshape(shape),
-                                           value[rows.to(value.device)].detach().to("cpu", copy=True).reshape(shape))
+                step["kv"][index] = {rid: (key[rows].detach().to("cpu", copy=True).reshape(shape),
+                                           value[rows].detach().to("cpu", copy=True).reshape(shape))
                                      for rid, rows in step["rows"].items()}
         except Exception as exc:  # observing must never break serving
             logger.warning("kvbridge source connector: a step's K/V were not captured (%s)", exc)
@@ -350,8 +372,8 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             return
         try:
             ids = kwargs.get("input_ids", args[0] if args else None)
-            step["hidden"] = {rid: (output[rows.to(output.device)].detach().to("cpu", copy=True),
-                                    ids[rows.to(ids.device)].detach().to("cpu", torch.long))
+            step["hidden"] = {rid: (output[rows].detach().to("cpu", copy=True),
+                                    ids[rows].detach().to("cpu", torch.long, copy=True))
                               for rid, rows in (step["rows"] or {}).items()}
         except Exception as exc:
             logger.warning("kvbridge source connector: a step's hidden states were not captured (%s)", exc)
@@ -365,6 +387,18 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         except Exception as exc:  # storing must never break serving: this step's blocks are lost, nothing else
             logger.warning("kvbridge source connector: a step's blocks were not stored (%s)", exc)
             self._pending.clear()
+        finally:
+            self._in_step, self._last_step = False, time.monotonic()
+
+    def _when_idle(self, since: float) -> None:
+        """Return once the engine has run no step for ``IDLE_S``, or ``DEFER_S`` after ``since`` (a background
+        thread, before each block: the source's own requests come first)."""
+        while True:
+            now = time.monotonic()
+            quiet = now - self._last_step
+            if now - since >= DEFER_S or (not self._in_step and quiet >= IDLE_S):
+                return
+            time.sleep(min(max(IDLE_S - quiet, 0.002), DEFER_S - (now - since)))
 
     def _save(self, step, meta) -> None:
         for rid in getattr(meta, "preempted", ()):
@@ -424,13 +458,15 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 self.dropped += 1
                 return False
             self._queued_bytes += size
-        self._queue.put((size, item))
+        self._queue.put((size, item, time.monotonic()))
         return True
 
     def _writer(self) -> None:
+        single_threaded()
         while True:
-            size, item = self._queue.get()
+            size, item, since = self._queue.get()
             try:
+                self._when_idle(since)
                 if item[0] == "touch":
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
@@ -456,12 +492,14 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 logger.info("kvbridge source connector: map-ahead is behind; a block is left to the target to map")
                 return
             self._map_bytes += size
-        self._map_queue.put((size, item))
+        self._map_queue.put((size, item, time.monotonic()))
 
     def _mapper_loop(self) -> None:
+        single_threaded()
         while True:
-            size, item = self._map_queue.get()
+            size, item, since = self._map_queue.get()
             try:
+                self._when_idle(since)
                 self._premap(*item)
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)

@@ -129,10 +129,11 @@ def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passt
     return argv + passthrough
 
 
-def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: str, port: int,
+def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, host: str, port: int,
                 passthrough: list[str], device: str = "cpu") -> list[str]:
     """``vllm serve`` arguments for the source with the storing connector and its llama-4 query scaling; the store's
-    block size when it already has one (an engine's blocks must be the store's)."""
+    block size when it already has one (an engine's blocks must be the store's). ``config`` None: the same server
+    without the connector (``--no-store``: the baseline of what storing costs the source's own requests)."""
     from .config import llama4_scaling
     from .store import STORE_FILE
 
@@ -140,8 +141,9 @@ def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: st
     if "--kv-transfer-config" in given:
         raise InputError("kvbridge serve-source sets vLLM's --kv-transfer-config itself (the storing connector); "
                          "drop it.")
-    argv = ["serve", source_dir, "--host", host, "--port", str(port),
-            "--kv-transfer-config", json.dumps(producer_transfer_config(config))]
+    argv = ["serve", source_dir, "--host", host, "--port", str(port)]
+    if config is not None:
+        argv += ["--kv-transfer-config", json.dumps(producer_transfer_config(config))]
     overrides = llama4_scaling(source_dir)
     if overrides and "--hf-overrides" not in given:
         argv += ["--hf-overrides", json.dumps(overrides)]
@@ -153,8 +155,8 @@ def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: st
 
     if _text_config(source_dir)[1] and "--language-model-only" not in given:
         argv.append("--language-model-only")  # a multimodal repo (Ministral-3): its text decoder, as the mapper reads
-    settings = Path(config.store) / STORE_FILE
-    if "--block-size" not in given and settings.exists():
+    settings = Path(config.store) / STORE_FILE if config is not None else None
+    if "--block-size" not in given and settings is not None and settings.exists():
         from .store import KVStore
 
         argv += ["--block-size", str(KVStore(config.store).block_tokens)]
@@ -163,9 +165,10 @@ def source_argv(config: StoreConfig, source_dir: str, served_name: str, host: st
     return argv + passthrough
 
 
-def serve_source(config: StoreConfig, source_dir: str, served_name: str, host: str = "127.0.0.1", port: int = 8001,
-                 passthrough: list[str] | None = None) -> int:
-    """vLLM's server for the source, storing its KV as it serves (warm transfer's producer), until stopped."""
+def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, host: str = "127.0.0.1",
+                 port: int = 8001, passthrough: list[str] | None = None) -> int:
+    """vLLM's server for the source, storing its KV as it serves (warm transfer's producer), until stopped;
+    ``config`` None: without a store (a baseline)."""
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401
     except ImportError as exc:
@@ -183,9 +186,13 @@ def serve_source(config: StoreConfig, source_dir: str, served_name: str, host: s
     if device == "cpu":
         cpu_defaults()
     argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
-    ahead = f", mapping it ahead with {config.mapper}" if config.mapper else ""
-    print(f"kvbridge serve-source: {source_dir} as {served_name!r} on http://{host}:{port}/v1 — storing its KV in "
-          f"{config.store} (cap {config.cap_bytes / 2**30:.1f} GiB){ahead}", file=sys.stderr, flush=True)
+    if config is None:
+        what = "without a store (vLLM alone)"
+    else:
+        ahead = f", mapping it ahead with {config.mapper}" if config.mapper else ""
+        what = f"storing its KV in {config.store} (cap {config.cap_bytes / 2**30:.1f} GiB){ahead}"
+    print(f"kvbridge serve-source: {source_dir} as {served_name!r} on http://{host}:{port}/v1 — {what}",
+          file=sys.stderr, flush=True)
     run_vllm(argv)
     return 0
 
