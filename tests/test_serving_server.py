@@ -171,7 +171,8 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     from kvbridge.serving.cascade import cascade_table, run_cascade_bench
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
-    # the source server stands in as its own baseline here (the baseline's server is `serve-source --no-store`)
+    # the source server stands in as its own baseline here (the baseline's server is `serve-source --no-store`): this
+    # checks the plumbing (each source turn sent to both, its fields and table), not what storing costs
     report = run_cascade_bench(servers[0], "kvbridge-family-source", servers[1], "kvbridge-family", tokenizer, [400],
                                conversations=1, warmup=0, new_tokens=4, progress=lambda _: None,
                                baseline_url=servers[0], baseline_model="kvbridge-family-source")

@@ -226,8 +226,8 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
 
 def test_the_source_engines_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
     """Writing and mapping ahead never compete with the source's own steps: a block waits until no step ran for
-    IDLE_S (at most DEFER_S after it was queued), and the threads' torch work runs on one OpenMP thread of their
-    own, leaving the engine's setting as it was."""
+    IDLE_S (at most DEFER_S after it was queued, not at all once its queue backs up), and the threads' torch work
+    runs on one OpenMP thread of their own, leaving the engine's setting as it was."""
     import threading
 
     import torch
@@ -235,24 +235,33 @@ def test_the_source_engines_background_threads_wait_for_an_idle_engine_and_keep_
     from kvbridge.serving import producer
 
     conn = object.__new__(producer.KVBridgeSourceConnector)
-    conn._in_step, conn._last_step = False, 0.0
+    calm = lambda: False  # noqa: E731  (no backlog)
+    conn._step_mark = (False, 0.0)
     start = time.monotonic()
-    conn._when_idle(start)
+    conn._when_idle(start, calm)
     assert time.monotonic() - start < producer.IDLE_S  # idle: at once
-    conn._in_step, conn._last_step = True, time.monotonic()
-    threading.Timer(0.15, lambda: setattr(conn, "_in_step", False) or setattr(conn, "_last_step",
-                                                                               time.monotonic())).start()
+    conn._step_mark = (True, time.monotonic())
+    threading.Timer(0.15, lambda: setattr(conn, "_step_mark", (False, time.monotonic()))).start()
     start = time.monotonic()
-    conn._when_idle(start)
+    conn._when_idle(start, calm)
     assert time.monotonic() - start >= 0.15 + producer.IDLE_S * 0.9  # after the step, and a quiet spell
-    conn._in_step = True  # a step that does not end: the block goes DEFER_S after it was queued
+    conn._step_mark = (True, time.monotonic())  # a step that does not end: the block goes DEFER_S after queueing
     start = time.monotonic()
-    conn._when_idle(start - producer.DEFER_S + 0.1)
+    conn._when_idle(start - producer.DEFER_S + 0.1, calm)
     assert 0.09 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    conn._when_idle(start, lambda: True)  # its queue backs up: at once, step or not
+    assert time.monotonic() - start < producer.IDLE_S
 
-    threads = []
-    thread = threading.Thread(target=lambda: (producer.single_threaded(), threads.append(torch.get_num_threads())))
     before = torch.get_num_threads()
-    thread.start()
-    thread.join()
-    assert threads == [1] and torch.get_num_threads() == before
+    torch.set_num_threads(2)  # so that one thread is a change (the suite may run with one)
+    try:
+        seen = []
+        for limit in (True, False):  # a thread that limits itself, and one that does not
+            thread = threading.Thread(target=lambda limit=limit: (limit and producer.single_threaded(),
+                                                                  seen.append(torch.get_num_threads())))
+            thread.start()
+            thread.join()
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

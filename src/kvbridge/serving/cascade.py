@@ -293,7 +293,8 @@ def _source_cost(results: list[dict]) -> dict:
     return dict(source_storing_ttft_ms=med("storing_ttft_ms"), source_baseline_ttft_ms=med("baseline_ttft_ms"),
                 source_ttft_ratio=ratio("ttft_ms"), source_storing_answer_ms=med("storing_answer_ms"),
                 source_baseline_answer_ms=med("baseline_answer_ms"), source_answer_ratio=ratio("answer_ms"),
-                source_answers_equal=sum(t["storing_tokens"] == t["baseline_tokens"] for t in turns) / len(turns))
+                source_answers_equal=sum(bool(t["storing_tokens"]) and t["storing_tokens"] == t["baseline_tokens"]
+                                         for t in turns) / len(turns))
 
 
 def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,

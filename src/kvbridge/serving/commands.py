@@ -302,8 +302,9 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
     p.add_argument("--no-store", dest="storing", action="store_false",
-                   help="serve the source with vLLM alone, same settings, nothing stored: the baseline of what "
-                        "storing costs the source's own requests (kvbridge cascade-bench --source-baseline)")
+                   help="serve the source with vLLM alone, same settings, nothing stored (--store and "
+                        "--store-cap-gb are ignored): the baseline of what storing costs the source's own requests "
+                        "(kvbridge cascade-bench --source-baseline)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
@@ -340,9 +341,10 @@ def _cmd_serve_source(args) -> int:
     from .. import family
     from .server import resolve_model, serve_source
 
-    if not args.storing and (args.map_ahead or args.mapper or args.target):
-        raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target) needs "
-                            "the store; drop one or the other.")
+    if not args.storing and (args.map_ahead or args.mapper or args.target or args.mapper_revision or
+                             args.target_revision or args.map_dtype != "auto"):
+        raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target and their "
+                            "options) needs the store; drop one or the other.")
     if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
         raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
     if args.source:
@@ -444,7 +446,8 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                         "server's block size) and send each source turn to both, in alternating order: what storing "
                         "(and mapping ahead) costs the source's own requests, and whether their answers stay the same")
     p.add_argument("--baseline-url", help="with --source-url: a running `kvbridge serve-source --no-store` server as "
-                                          "the baseline (implies --source-baseline)")
+                                          "the baseline, started with the storing server's --block-size (implies "
+                                          "--source-baseline)")
     p.add_argument("--histories", default="1024,2000", help="conversation lengths in tokens (default: 1024,2000)")
     p.add_argument("--conversations", type=int, default=12, help="timed conversations per length (default: 12)")
     p.add_argument("--warmup", type=int, default=2, help="untimed conversations first (default: 2)")

@@ -50,7 +50,8 @@ MAP_QUEUE_BYTES = 256 << 20  # stored blocks waiting to be mapped; beyond, block
 # The background threads work while the engine is idle: their Python holds the interpreter's lock the engine's
 # steps need, and their torch threads share its cores (on a 2-core CPU, writing and mapping as the source decoded
 # doubled its answer times). A block waits for IDLE_S without a step, at most DEFER_S (under a steady load it is
-# then stored anyway: at the engine's pace, a little late).
+# then stored anyway: at the engine's pace, a little late), and not at all once a quarter of its queue's budget
+# waits (a fast engine would otherwise fill the queue and lose blocks).
 IDLE_S = 0.02
 DEFER_S = 2.0
 
@@ -216,8 +217,9 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._queued_lock = threading.Lock()
         self._map_queue: queue.Queue | None = None
         self._map_bytes = 0
-        self._in_step = False  # the engine's step is running (bound metadata, not yet saved)
-        self._last_step = 0.0  # time.monotonic() of the last step's start or end
+        # (the engine's step is running, time.monotonic() of the last step's start or end): one assignment, so
+        # that a background thread never reads one half of a step's start with the other half of its end
+        self._step_mark = (False, 0.0)
         if role == KVConnectorRole.WORKER:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
@@ -320,7 +322,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update = update
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self._in_step, self._last_step = True, time.monotonic()
+        self._step_mark = (True, time.monotonic())
         super().bind_connector_metadata(connector_metadata)
         captures = getattr(connector_metadata, "captures", None)
         self._step = {"captures": captures, "rows": None, "kv": {}} if captures else None
@@ -388,17 +390,25 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             logger.warning("kvbridge source connector: a step's blocks were not stored (%s)", exc)
             self._pending.clear()
         finally:
-            self._in_step, self._last_step = False, time.monotonic()
+            self._step_mark = (False, time.monotonic())
 
-    def _when_idle(self, since: float) -> None:
-        """Return once the engine has run no step for ``IDLE_S``, or ``DEFER_S`` after ``since`` (a background
-        thread, before each block: the source's own requests come first)."""
-        while True:
+    def _when_idle(self, since: float, backlog) -> None:
+        """Return once the engine has run no step for ``IDLE_S``, ``DEFER_S`` after ``since``, or as soon as
+        ``backlog()`` is true (a background thread, before each block: the source's own requests come first, but
+        its queue must not overflow)."""
+        while not backlog():
+            in_step, mark = self._step_mark
             now = time.monotonic()
-            quiet = now - self._last_step
-            if now - since >= DEFER_S or (not self._in_step and quiet >= IDLE_S):
+            left = DEFER_S - (now - since)
+            if left <= 0 or (not in_step and now - mark >= IDLE_S):
                 return
-            time.sleep(min(max(IDLE_S - quiet, 0.002), DEFER_S - (now - since)))
+            time.sleep(min(IDLE_S if in_step else max(IDLE_S - (now - mark), 0.002), left))
+
+    def _write_backlog(self) -> bool:
+        return self._queued_bytes > QUEUE_BYTES // 4
+
+    def _map_backlog(self) -> bool:
+        return self._map_bytes > MAP_QUEUE_BYTES // 4
 
     def _save(self, step, meta) -> None:
         for rid in getattr(meta, "preempted", ()):
@@ -466,7 +476,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while True:
             size, item, since = self._queue.get()
             try:
-                self._when_idle(since)
+                self._when_idle(since, self._write_backlog)
                 if item[0] == "touch":
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
@@ -499,7 +509,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while True:
             size, item, since = self._map_queue.get()
             try:
-                self._when_idle(since)
+                self._when_idle(since, self._map_backlog)
                 self._premap(*item)
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
