@@ -4,6 +4,7 @@ rewrite, vLLM's arguments (the llama-4 query scaling override pinned)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -332,3 +333,23 @@ def test_escalation_conversations_have_the_asked_lengths():
         for first, second, asked in texts:
             assert abs(len(tokenizer(asked, add_special_tokens=False).input_ids) - question) <= 4
             assert abs(len(tokenizer(first + second, add_special_tokens=False).input_ids) - (1000 - 136)) <= 16
+
+
+def test_parallel_engines_the_connectors_cannot_serve_are_refused_before_they_start(capsys, tmp_path, monkeypatch):
+    from kvbridge.cli import main
+    from kvbridge.serving.server import cpu_defaults, parallel_sizes
+
+    assert parallel_sizes(["--tensor-parallel-size", "2"]) == (2, 1)
+    assert parallel_sizes(["-tp", "4", "--pipeline-parallel-size=2"]) == (4, 2)
+    assert parallel_sizes(["--port", "1"]) == (1, 1)
+    with pytest.raises(InputError, match="--tensor-parallel-size must be a whole number"):
+        parallel_sizes(["-tp", "two"])
+    assert main(["serve", "--pipeline-parallel-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "not pipeline-parallel" in err and "Traceback" not in err
+    assert main(["serve-source", "--store", str(tmp_path / "s"), "--tensor-parallel-size", "2"]) == 1
+    assert "one-device source engine" in capsys.readouterr().err
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    cpu_defaults(2)  # the cores are shared among the tensor-parallel workers
+    assert os.environ["OMP_NUM_THREADS"] == "2"

@@ -164,6 +164,21 @@ def _same_model(a: str, b: str) -> bool:
         return a == b
 
 
+def worker_heads(num_kv_heads: int, tensor_parallel: int) -> slice:
+    """The target's KV heads this worker's cache holds, as vLLM shards them over ``tensor_parallel`` workers: an
+    equal run of heads each, or, with more workers than heads, one head each, replicated across neighbours."""
+    if tensor_parallel == 1:
+        return slice(None)
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    if num_kv_heads >= tensor_parallel:
+        share = num_kv_heads // tensor_parallel
+        return slice(rank * share, (rank + 1) * share)
+    head = rank // (tensor_parallel // num_kv_heads)
+    return slice(head, head + 1)
+
+
 def target_copy(config: ServeConfig, runtime, dtype: torch.dtype):
     """The target as the connector's worker loads it beside the engine's own weights: a transformers copy of its
     weights only when ``runtime`` (the mapper's options with the server's overrides) recomputes chosen tokens with
@@ -196,14 +211,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
             raise CompatibilityError(f"kvbridge connector: kv_load_failure_policy is {policy!r}; it must be "
                                      "'recompute', so that a failed map is a native prefill, not a failed request.")
         parallel = vllm_config.parallel_config
-        sizes = {name: getattr(parallel, name, 1) or 1 for name in ("tensor_parallel_size", "pipeline_parallel_size",
+        sizes = {name: getattr(parallel, name, 1) or 1 for name in ("pipeline_parallel_size",
                                                                      "decode_context_parallel_size",
                                                                      "prefill_context_parallel_size")}
         if any(v != 1 for v in sizes.values()):
             found = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1)
-            raise UnsupportedModelError(f"kvbridge connector: {found}; the connector writes every layer and head of "
-                                        "the target from one worker, so it serves single-device engines only (for "
-                                        "now).")
+            raise UnsupportedModelError(f"kvbridge connector: {found}; the connector writes every layer of the "
+                                        "target and each worker's share of its heads, so it serves one device or "
+                                        "tensor parallel engines (--tensor-parallel-size), not pipeline or context "
+                                        "parallel ones (for now).")
+        self.tensor_parallel = getattr(parallel, "tensor_parallel_size", 1) or 1
         mapper_config = read_config(self.config.mapper)
         self.runtime = mapper_config.runtime.override(**self.config.runtime)
         self.hold_back = self.runtime.hold_back
@@ -224,6 +241,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # worker side
         self._bridge = None
         self._layers: list[tuple[int, Any]] | None = None
+        self._heads = slice(None)  # this worker's KV heads of the target (its tensor-parallel share)
         self._failed_blocks: set[int] = set()
         self._outcomes: dict[str, tuple[str, float, int, str | None, int]] = {}
         self._store = None  # the source engine's KV store, once it exists
@@ -260,6 +278,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
                      "no selective recompute (the target's config and RoPE loaded, not its weights)")
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
+        if self.tensor_parallel > 1:
+            logger.info("kvbridge connector: each of the %d tensor-parallel workers runs the source and the whole map "
+                        "and writes its share of the target's heads%s", self.tensor_parallel,
+                        "; each holds its own transformers copy of the target's weights for the recompute (a map "
+                        "without recompute needs none)" if bridge.selects_tokens else "")
         if self.config.store:
             from ..models import source_hidden_size
             from .store import identity
@@ -299,6 +322,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if [i for i, _ in layers] != list(range(expected)):
                 raise UnsupportedModelError(f"the engine has attention layers {[i for i, _ in layers]}, the mapper's "
                                             f"target {expected}: kvbridge cannot tell which layer is which.")
+            self._heads = worker_heads(self._bridge.mapper.config.target.num_kv_heads, self.tensor_parallel)
+            held = {getattr(layer, "num_kv_heads", None) for _, layer in layers} - {None}
+            share = len(range(self._bridge.mapper.config.target.num_kv_heads)[self._heads])
+            if held and held != {share}:
+                raise UnsupportedModelError(f"this worker's attention layers hold {sorted(held, key=str)} KV heads; "
+                                            f"kvbridge expected {share} (the target's "
+                                            f"{self._bridge.mapper.config.target.num_kv_heads} over "
+                                            f"{self.tensor_parallel} tensor-parallel workers).")
             self._layers = layers
         return self._layers
 
@@ -383,7 +414,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
         for index, layer in layers:
             kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
-            k, v = (x[load.start:load.end].to(kv_cache.device, kv_cache.dtype).contiguous()
+            k, v = (x[load.start:load.end, self._heads].to(kv_cache.device, kv_cache.dtype).contiguous()
                     for x in (keys[index], values[index]))
             layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
         return stored, refused, premapped

