@@ -300,16 +300,18 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
     fr.add_argument("--grid", default=None,
-                    choices=["full", "extended", "tuning", "values", "deep", "deep-levers", "layers", "quick"],
+                    choices=["full", "extended", "tuning", "values", "deep", "deep-levers", "deep-bottleneck", "layers",
+                             "quick"],
                     help="full: the levers worth their cost and a blind-recompute control (about 36 minutes on 2 CPU "
                          "cores); extended: also those that did not make it, for the record (hours); tuning: what "
                          "tuning on the target's output and the repeated spans each buy; values: what a lever on the "
                          "same layer's values buys (each about as long as full); deep: fast maps (top-k, reduced "
                          "rank, head-matched) against full ones; deep-levers: the deep family's fits with residual "
                          "MLPs again (run it with another --seed) beside larger recompute shares, two source layers a "
-                         "map and the source's hidden state (about an hour); layers: one source layer a map against "
-                         "every one, plain and with the levers; quick: a smoke test (default: full; deep with "
-                         "--family deep, layers with --family deep-pruned)")
+                         "map and the source's hidden state (about an hour); deep-bottleneck: levers on the keys and "
+                         "values of the deep family's worst layer, and with a wider MLP (about 35 minutes); layers: "
+                         "one source layer a map against every one, plain and with the levers; quick: a smoke test "
+                         "(default: full; deep with --family deep, layers with --family deep-pruned)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")
     fr.add_argument("--at", type=int, default=None, metavar="TOKENS",
                     help="the context length the recommendation is made and headlined at, one of the grid's lengths "

@@ -100,7 +100,8 @@ class OracleBridge(Bridge):
 
 
 def oracle(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256, progress: bool = True) -> dict:
-    """Mean floor-normalized retention of the plain mapped cache and of each one-layer oracle."""
+    """Mean floor-normalized retention of the mapped cache (with the mapper's runtime options) and of each one-layer
+    oracle."""
     from tqdm.auto import tqdm
 
     baseline = family_tasks(bridge, texts, items, seq_len)
@@ -152,7 +153,8 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
             values = [100 * next(r["mean_floor_normalized_retention"] for r in rows
                                  if r["target_layer"] == layer and r["kind"] == kind) for layer in layers]
             ax.bar([layer + (i - 1) * 0.27 for layer in layers], values, width=0.27, label=f"native {kind}")
-        ax.axhline(100 * rows[0]["mean_floor_normalized_retention"], color="black", lw=1, ls="--", label="plain map")
+        ax.axhline(100 * rows[0]["mean_floor_normalized_retention"], color="black", lw=1, ls="--",
+                   label="mapped, no layer native")
         ax.set(xlabel="target layer made native", ylabel="mean floor-normalized retention (%)",
                title="oracle: where the map loses quality")
         ax.legend(fontsize=8)

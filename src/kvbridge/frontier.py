@@ -219,6 +219,22 @@ DEEP_LEVERS = FrontierConfig(
     ),
     lengths=(256, 1024),  # 55 minutes on 2 CPU cores; the deep grid's headline length is 1,024
 )
+# the deep family's bottleneck: `kvbridge diagnose --family deep --oracle` finds one target layer (3) whose native K/V
+# alone lift retention from about a quarter to nearly all; levers on its values as well as its keys, and with a wider
+# MLP, against kvbridge fit's defaults (a lever on the keys of the worst layer). (The run in docs/results/deep/
+# bottleneck also had "levers read every source layer", lever_top_k None: fit caps it at top_k, one layer, so it was
+# the second point's fit again — identical retention; dropped.)
+LEAN_KV = dict(LEAN, lever_kinds=("key", "value"))
+DEEP_BOTTLENECK = FrontierConfig(
+    fit=FIT,
+    points=(
+        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN, runtime=SPANS[0.04]),
+        Point("lean, keys and values, top-k 1 + recompute 4% by span", fit=LEAN_KV, runtime=SPANS[0.04]),
+        Point("lean, keys and values, MLP 256, top-k 1 + recompute 4% by span", fit=dict(LEAN_KV, mlp_hidden=256),
+              runtime=SPANS[0.04]),
+    ),
+    lengths=(256, 1024),  # about 35 minutes on 2 CPU cores
+)
 # the default family's side of the choice of kvbridge fit's source layers a map: one (the default) against every
 # source layer, plain and with the levers, at the deep-levers grid's lengths
 LAYERS = FrontierConfig(
@@ -233,7 +249,7 @@ LAYERS = FrontierConfig(
     lengths=(256, 1024),
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
-         "deep-levers": DEEP_LEVERS, "layers": LAYERS, "quick": QUICK}
+         "deep-levers": DEEP_LEVERS, "deep-bottleneck": DEEP_BOTTLENECK, "layers": LAYERS, "quick": QUICK}
 FAMILY_GRIDS = {"deep": "deep", "deep-pruned": "layers"}  # kvbridge frontier's grid per embedded family (else full)
 # the point kvbridge fit's defaults reproduce (FAMILY's source-layer counts included): the rule's pick at 2,048 tokens
 # in the run in docs/results (another run that day picked 3 %, its validation tie, faster inside timing noise):
