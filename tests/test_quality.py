@@ -385,8 +385,14 @@ def test_every_grid_point_is_a_valid_fit_and_a_plain_point_reads_every_source_la
 
     for name, grid in GRIDS.items():
         assert grid.fit.top_k is None and not grid.fit.has_levers and grid.fit.recompute == 0, name
+        seen = {}
         for point in grid.points:
-            replace(grid.fit, **point.fit, **point.runtime)  # FitConfig checks every setting on construction
+            config = replace(grid.fit, **point.fit, **point.runtime)  # FitConfig checks every setting on construction
+            # no point repeats another's fit and runtime (a lever_top_k above top_k is capped to it, for one)
+            effective = replace(config, lever_top_k=min(config.lever_top_k or config.top_k or 10**6,
+                                                        config.top_k or 10**6))
+            assert effective not in seen, (name, point.name, seen.get(effective))
+            seen[effective] = point.name
 
 
 def test_a_cell_counts_only_where_native_beats_the_floor_beyond_noise_and_is_held_to_0_100():
