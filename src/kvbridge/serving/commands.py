@@ -475,7 +475,6 @@ def _cmd_cascade_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
-
     from .server import target_parallel
 
     target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
