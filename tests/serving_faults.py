@@ -7,8 +7,11 @@ FAULT_MARKER = "# FAULT INJECTED HERE\n"
 
 
 class FaultyConnector(KVBridgeConnector):
+    def starts_with(self, token_ids, marker: str) -> bool:
+        return self._bridge.tokenizer.decode(token_ids[:24], skip_special_tokens=True).startswith(marker.strip())
+
     def map_prompt(self, token_ids, *args, **kwargs):
-        if self._bridge.tokenizer.decode(token_ids[:24], skip_special_tokens=True).startswith(FAULT_MARKER.strip()):
+        if self.starts_with(token_ids, FAULT_MARKER):
             raise RuntimeError("injected map failure")
         return super().map_prompt(token_ids, *args, **kwargs)
 
@@ -22,7 +25,6 @@ class OneWorkerFaultyConnector(FaultyConnector):
     def map_prompt(self, token_ids, *args, **kwargs):
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        text = self._bridge.tokenizer.decode(token_ids[:24], skip_special_tokens=True)
-        if text.startswith(ONE_WORKER_MARKER.strip()) and get_tensor_model_parallel_rank() == 1:
+        if self.starts_with(token_ids, ONE_WORKER_MARKER) and get_tensor_model_parallel_rank() == 1:
             raise RuntimeError("injected map failure on worker 1")
         return super().map_prompt(token_ids, *args, **kwargs)

@@ -18,32 +18,28 @@ from test_serving_engine import prompts, reference, run  # noqa: E402
 @pytest.fixture(scope="module")
 def engine(family_fast_mapper):
     """(llm, config, bridge): the family's target over two tensor-parallel workers, one thread each."""
-    from kvbridge.serving.server import cpu_defaults
-
-    here = str(Path(__file__).parent)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE",
-                                                     "VLLM_CPU_OMP_THREADS_BIND")}
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ["OMP_NUM_THREADS"] = "1"  # the workers' threads: two workers share the two cores
-    cpu_defaults()
     from vllm import LLM
 
     from kvbridge import Bridge, Mapper, family
     from kvbridge.serving import ServeConfig, engine_kwargs
+    from kvbridge.serving.server import cpu_defaults
 
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path())
     kwargs = engine_kwargs(config, dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128,
                            max_num_seqs=8, tensor_parallel_size=2, distributed_executor_backend="mp")
     kwargs["kv_transfer_config"].update(kv_connector="OneWorkerFaultyConnector",
                                         kv_connector_module_path="serving_faults")
-    try:
-        llm = LLM(**kwargs)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
+    with pytest.MonkeyPatch.context() as env:  # the workers inherit these; the other modules see them unchanged
+        env.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
+        env.setenv("OMP_NUM_THREADS", "1")  # the workers' threads: two workers share the two cores
+        for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):  # recorded: what cpu_defaults adds
+            if name in os.environ:                                             # is undone after
+                env.setenv(name, os.environ[name])
             else:
-                os.environ[name] = value
+                env.setenv(name, "")
+                env.delenv(name)
+        cpu_defaults()
+        llm = LLM(**kwargs)
     source, target = family.load_family()
     yield llm, config, Bridge(source, target, Mapper.from_pretrained(family_fast_mapper))
     del llm

@@ -322,14 +322,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if [i for i, _ in layers] != list(range(expected)):
                 raise UnsupportedModelError(f"the engine has attention layers {[i for i, _ in layers]}, the mapper's "
                                             f"target {expected}: kvbridge cannot tell which layer is which.")
-            self._heads = worker_heads(self._bridge.mapper.config.target.num_kv_heads, self.tensor_parallel)
+            heads = self._bridge.mapper.config.target.num_kv_heads
+            self._heads = worker_heads(heads, self.tensor_parallel)
             held = {getattr(layer, "num_kv_heads", None) for _, layer in layers} - {None}
-            share = len(range(self._bridge.mapper.config.target.num_kv_heads)[self._heads])
+            share = len(range(heads)[self._heads])
             if held and held != {share}:
-                raise UnsupportedModelError(f"this worker's attention layers hold {sorted(held, key=str)} KV heads; "
-                                            f"kvbridge expected {share} (the target's "
-                                            f"{self._bridge.mapper.config.target.num_kv_heads} over "
-                                            f"{self.tensor_parallel} tensor-parallel workers).")
+                raise UnsupportedModelError(f"this worker's attention layers hold {sorted(held)} KV heads; kvbridge "
+                                            f"expected {share} (the target's {heads} over {self.tensor_parallel} "
+                                            "tensor-parallel workers).")
             self._layers = layers
         return self._layers
 
