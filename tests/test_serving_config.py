@@ -219,6 +219,7 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
 
     assert request_use_store(None) and request_use_store({"kvbridge_store": False}) is False
     assert request_use_store({"kvbridge_store": "source"}) == "source"
+    assert request_use_store({"kvbridge_store": "folder"}) == "folder"
     with pytest.raises(InputError, match="kvbridge_store"):
         request_use_store({"kvbridge_store": "no"})
     from kvbridge.serving.config import request_native_rest
@@ -228,6 +229,9 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
     for bad in (-1, 1.5, "8"):
         with pytest.raises(InputError, match="native_rest"):
             config(native_rest=bad)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InputError, match="store_memory_bytes"):
+            config(store_memory_bytes=bad)
     space = namespace(family.mapper_path(), {})
     assert client_salt(salted(space, "user-1"), space) == "user-1" and client_salt(space, space) is None
     assert client_salt("user-1", space) == "user-1" and client_salt(None, space) is None
@@ -273,6 +277,9 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
     assert main(["cascade-bench", "--source-baseline", "--source-url", "http://127.0.0.1:1", "--target-url",
                  "http://127.0.0.1:2"]) == 1
     assert "--baseline-url" in capsys.readouterr().err
+    for argv in (["serve", "--store", str(tmp_path)], ["cascade", "--store", str(tmp_path / "c")]):
+        assert main(argv + ["--store-memory-gb", "-1"]) == 1
+        assert "--store-memory-gb" in capsys.readouterr().err
 
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
@@ -295,6 +302,9 @@ def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     cascade = argparse_cascade(["--store", str(tmp_path)])
     assert "--map-ahead" in pair_argv(cascade)[0]
     assert "--map-ahead" not in pair_argv(argparse_cascade(["--store", str(tmp_path), "--no-map-ahead"]))[0]
+    # the memory tier's size goes to the target's server
+    target = pair_argv(argparse_cascade(["--store", str(tmp_path), "--store-memory-gb", "0.5"]))[1]
+    assert target[target.index("--store-memory-gb") + 1] == "0.5"
 
 
 def argparse_cascade(argv):

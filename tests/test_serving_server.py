@@ -161,7 +161,8 @@ def test_an_escalated_conversation_is_mapped_from_the_sources_stored_kv(servers,
 
 def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     """`kvbridge cascade-bench`'s measurement against the running pair (tiny: one conversation): the warm way's
-    prefix came from the store, mapped ahead, the new turn computed by the target; with the new turn mapped too it
+    prefix came from the store, mapped ahead (read from the target's memory; the folder way from the store's folder,
+    with the same answer), the new turn computed by the target; with the new turn mapped too it
     answered as the cold way, and the way mapped at the switch as warm;
     the ceiling (a prefix-cache hit on the history) is measured beside them. Timings are the benchmark's business,
     not checked here."""
@@ -182,5 +183,10 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     assert row["stored_fraction"] > 0.5 and row["premapped_fraction"] == row["stored_fraction"], row
     assert 0 < row["native_fraction"] < 0.5 and row["native_rest"] == 256, row  # the new turn: the target's
     assert row["whole_equals_cold"] == row["remap_equals_warm"] == 1.0 and row["cached_ttft_ms"] > 0
-    assert min(row[f"{w}_connector_ms"] for w in ("warm", "whole", "remap", "cold")) > 0
+    assert min(row[f"{w}_connector_ms"] for w in ("warm", "folder", "whole", "remap", "cold")) > 0
     assert "mapped ahead" in cascade_table(report)
+    # the warm way read the blocks mapped ahead from the target connector's memory (loaded during the settle), the
+    # folder way from the store's folder: the same K/V, the same answer
+    assert row["hot_fraction"] == row["premapped_fraction"], row
+    conversation = report["conversations"]["400"][0]
+    assert conversation["warm"]["tokens"] == conversation["folder"]["tokens"]

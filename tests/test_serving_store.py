@@ -119,9 +119,12 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
     for turn, history, st, w, c in zip(turns, histories, status, warm, held):
         assert st["kvbridge"] == "mapped" and st["kvbridge_mapped_tokens"] == len(history) - 1, st
         assert st["kvbridge_stored_tokens"] == st["kvbridge_premapped_tokens"] == len(history) - 1, st
+        # loaded into the target's memory as the source engine announced them (the engine idle for a second)
+        assert st["kvbridge_hot_tokens"] == st["kvbridge_premapped_tokens"], st
         assert w == c, len(turn)
     # entries the scheduler counted that fail the worker's checks (the second block's source and mapped entries
-    # corrupted in the two longer conversations): the source maps from there, the new turn stays the target's
+    # corrupted in the two longer conversations, read from the folder: the copies in memory were checked before the
+    # damage): the source maps from there, the new turn stays the target's
     from kvbridge.serving.producer import folder_identity
     from kvbridge.serving.store import KVStore, chain, chain_seed
 
@@ -133,7 +136,7 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
             raw = bytearray(path.read_bytes())
             raw[-5] ^= 0x40
             path.write_bytes(bytes(raw))
-    warm, status = ask_target(target, config, turns, salt="s-bad")
+    warm, status = ask_target(target, config, turns, salt="s-bad", use_store="folder")
     for i, (history, st, w, c) in enumerate(zip(histories, status, warm, held)):
         assert st["kvbridge_mapped_tokens"] == len(history) - 1 and w == c, (i, st)
         assert st["kvbridge_stored_tokens"] == st["kvbridge_premapped_tokens"] == \
@@ -153,7 +156,7 @@ def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
         raw = bytearray(path.read_bytes())
         raw[-5] ^= 0x40
         path.write_bytes(bytes(raw))
-    warm, status = ask_target(target, config, [history])
+    warm, status = ask_target(target, config, [history], use_store="folder")  # (memory holds them as they were)
     cold, _ = ask_target(target, config, [history], use_store=False, salt="cold-2")
     assert status[0]["kvbridge_stored_tokens"] == 2 * store.block_tokens and warm == cold
     assert status[0]["kvbridge_premapped_tokens"] == store.block_tokens, status
@@ -206,7 +209,9 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
         elif salt == "s2":
             meta = dict(safe_open(str(ahead[keys[0]]), "pt").metadata(), identity="0" * 32)
             ahead[keys[0]].write_bytes(save(load(ahead[keys[0]].read_bytes()), metadata=meta))
-        warm, status = ask_target(target, config, [history], use_store="source" if salt == "s3" else True, salt=salt)
+        # (the folder's entries as the test left them: memory holds them as the source engine wrote them)
+        warm, status = ask_target(target, config, [history], use_store="source" if salt == "s3" else "folder",
+                                  salt=salt)
         assert status[0]["kvbridge_stored_tokens"] == len(history) - 1
         assert status[0]["kvbridge_premapped_tokens"] == (2 * bs if salt == "s1" else 0), status
         assert warm == cold
@@ -219,7 +224,7 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     path.unlink()
     assert store.put(key, meta["parent"], meta["identity"], tensors["ids"].tolist(), tensors["key"] * float("nan"),
                      tensors["value"], None, map_id=meta["identity"])
-    warm, status = ask_target(target, config, [history], salt="s4")
+    warm, status = ask_target(target, config, [history], salt="s4", use_store="folder")
     assert status[0]["kvbridge"] == "mapped" and status[0]["kvbridge_stored_tokens"] == 0, status
     assert warm == cold
 
@@ -232,33 +237,32 @@ def test_the_source_engines_background_threads_wait_for_an_idle_engine_and_keep_
 
     import torch
 
-    from kvbridge.serving import producer
+    from kvbridge.serving import idle
 
-    conn = object.__new__(producer.KVBridgeSourceConnector)
+    clock = idle.StepClock()
     calm = lambda: False  # noqa: E731  (no backlog)
-    conn._step_mark = (False, 0.0)
     start = time.monotonic()
-    conn._when_idle(start, calm)
-    assert time.monotonic() - start < producer.IDLE_S  # idle: at once
-    conn._step_mark = (True, time.monotonic())
-    threading.Timer(0.15, lambda: setattr(conn, "_step_mark", (False, time.monotonic()))).start()
+    clock.wait(start, calm)
+    assert time.monotonic() - start < idle.IDLE_S  # idle: at once
+    clock.begin()
+    threading.Timer(0.15, clock.end).start()
     start = time.monotonic()
-    conn._when_idle(start, calm)
-    assert time.monotonic() - start >= 0.15 + producer.IDLE_S * 0.9  # after the step, and a quiet spell
-    conn._step_mark = (True, time.monotonic())  # a step that does not end: the block goes DEFER_S after queueing
+    clock.wait(start, calm)
+    assert time.monotonic() - start >= 0.15 + idle.IDLE_S * 0.9  # after the step, and a quiet spell
+    clock.begin()  # a step that does not end: the block goes DEFER_S after queueing
     start = time.monotonic()
-    conn._when_idle(start - producer.DEFER_S + 0.1, calm)
+    clock.wait(start - idle.DEFER_S + 0.1, calm)
     assert 0.09 <= time.monotonic() - start < 1.0
     start = time.monotonic()
-    conn._when_idle(start, lambda: True)  # its queue backs up: at once, step or not
-    assert time.monotonic() - start < producer.IDLE_S
+    clock.wait(start, lambda: True)  # its queue backs up: at once, step or not
+    assert time.monotonic() - start < idle.IDLE_S
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # so that one thread is a change (the suite may run with one)
     try:
         seen = []
         for limit in (True, False):  # a thread that limits itself, and one that does not
-            thread = threading.Thread(target=lambda limit=limit: (limit and producer.single_threaded(),
+            thread = threading.Thread(target=lambda limit=limit: (limit and idle.single_threaded(),
                                                                   seen.append(torch.get_num_threads())))
             thread.start()
             thread.join()

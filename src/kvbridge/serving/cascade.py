@@ -8,9 +8,11 @@ conversation's blocks in the store and maps them — the source does not prefill
 computes the new turn and the held-back tokens itself, over them, and answers.
 
 ``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
-the source answers, then an escalated third turn sent to the target five ways, one after another and in rotating
+the source answers, then an escalated third turn sent to the target six ways, one after another and in rotating
 order — native (the target re-prefills the whole history), warm (the stored history read as mapped ahead unless
-``--no-map-ahead``, the new turn computed by the target: ``kvbridge_native_rest``), warm with every token mapped
+``--no-map-ahead``, from the target connector's memory where it loaded them, the new turn computed by the target:
+``kvbridge_native_rest``), warm from the folder (as warm, the blocks mapped ahead read from the store's folder:
+``kvbridge_store: "folder"``), warm with every token mapped
 (the source prefills the new turn for the mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at
 the switch (as warm, the stored source K/V mapped when the turn arrives, blocks mapped ahead ignored:
 ``kvbridge_store: "source"``) and cold (mapped from a fresh source prefill inside the connector, ``kvbridge_store:
@@ -32,10 +34,11 @@ from pathlib import Path
 
 from ..errors import KVBridgeError
 
-WAYS = ("native", "warm", "whole", "remap", "cold")
-COPIES = ("whole", "remap")  # ways that read a stored copy of the conversation of their own (salt f"{salt}-{way}")
+WAYS = ("native", "warm", "folder", "whole", "remap", "cold")
+COPIES = ("folder", "whole", "remap")  # ways reading a stored copy of the conversation of their own (their salt)
 STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
+HOT = "vllm:kvbridge_hot_tokens_total"
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
 
 
@@ -47,20 +50,24 @@ class CascadeRow:
     warm_ttft_ms: float
     cold_ttft_ms: float
     cached_ttft_ms: float  # the target's own prefix-cache hit on the history: the ceiling of any transfer
+    folder_ttft_ms: float  # warm, the blocks mapped ahead read from the store's folder (not the connector's memory)
     whole_ttft_ms: float  # warm with every prompt token but the hold-back mapped (the cold path's cache)
     remap_ttft_ms: float  # warm, with the stored source K/V mapped at the switch (blocks mapped ahead ignored)
     warm_speedup: float  # native ÷ warm
+    folder_speedup: float
     whole_speedup: float
     remap_speedup: float
     ceiling_speedup: float  # native ÷ cached
     cold_speedup: float
     warm_connector_ms: float  # median time inside the connector (store, source, map, recompute, cache writes)
+    folder_connector_ms: float
     whole_connector_ms: float
     remap_connector_ms: float
     cold_connector_ms: float
     native_rest: int  # the most tokens after the stored prefix that warm and remap left to the target
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
+    hot_fraction: float  # of them, median share read from the target connector's memory (loaded ahead)
     native_fraction: float  # median share the target computed itself on the warm way (new turn and hold-back)
     whole_equals_cold: float  # share of conversations whose escalated answers are identical
     remap_equals_warm: float
@@ -220,9 +227,11 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped",
-                          "kvbridge_store": {"warm": True, "whole": True, "remap": "source"}.get(way, False),
+                          "kvbridge_store": {"warm": True, "folder": "folder", "whole": True,
+                                             "remap": "source"}.get(way, False),
                           "kvbridge_native_rest": 0 if way == "whole" else native_rest}
-                before = {m: await asyncio.to_thread(metric, target_url, m) for m in (STORED, PREMAPPED, MAP_SECONDS)}
+                before = {m: await asyncio.to_thread(metric, target_url, m)
+                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS)}
                 # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
                 # the others keep their own so that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens, _ = await _turn(target, target_model, messages, new_tokens, params,
@@ -237,12 +246,14 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                 if way == "warm":
                     row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
                     row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
+                    row["hot_tokens"] = await asyncio.to_thread(metric, target_url, HOT) - before[HOT]
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
             row["source_turns"] = turns
             if i >= warmup:
                 results.append(row)
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
-                     f"{row['warm'][0]:.1f} ms, all mapped {row['whole'][0]:.1f} ms, mapped at the switch "
+                     f"{row['warm'][0]:.1f} ms (from the folder {row['folder'][0]:.1f} ms), all mapped "
+                     f"{row['whole'][0]:.1f} ms, mapped at the switch "
                      f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
     finally:
         for c in (source, target, baseline):
@@ -333,21 +344,24 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
         rows.append(CascadeRow(
             history_tokens=int(statistics.median(lengths)), conversations=n,
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
-            cached_ttft_ms=med["cached"], whole_ttft_ms=med["whole"], remap_ttft_ms=med["remap"],
-            warm_speedup=med["native"] / med["warm"], whole_speedup=med["native"] / med["whole"],
+            cached_ttft_ms=med["cached"], folder_ttft_ms=med["folder"], whole_ttft_ms=med["whole"],
+            remap_ttft_ms=med["remap"], warm_speedup=med["native"] / med["warm"],
+            folder_speedup=med["native"] / med["folder"], whole_speedup=med["native"] / med["whole"],
             remap_speedup=med["native"] / med["remap"], ceiling_speedup=med["native"] / med["cached"],
             cold_speedup=med["native"] / med["cold"],
-            warm_connector_ms=connector("warm"), whole_connector_ms=connector("whole"),
+            warm_connector_ms=connector("warm"), folder_connector_ms=connector("folder"),
+            whole_connector_ms=connector("whole"),
             remap_connector_ms=connector("remap"), cold_connector_ms=connector("cold"), native_rest=native_rest,
             stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
             premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
+            hot_fraction=statistics.median(r["hot_tokens"] / t for r, t in zip(results, lengths)),
             native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
             whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
             warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
             cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
             whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"), **_source_cost(results)))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
-                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens")} |
+                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens")} |
                        {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"} |
                        ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
                        for r in results]
@@ -359,19 +373,21 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
 
 
 def cascade_table(report: dict) -> str:
-    lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Warm, all mapped | Mapped at the switch | "
-             "Cold | Ceiling (prefix-cache hit) | Connector: warm / all mapped / at the switch / cold | Prefix from "
-             "the store (mapped ahead) | Tokens = native: warm / all mapped / cold | All mapped = cold; at the "
-             "switch = warm |", "|" + "---:|" * 11]
+    lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Warm, from the folder | Warm, all mapped | "
+             "Mapped at the switch | Cold | Ceiling (prefix-cache hit) | Connector: warm / from the folder / all "
+             "mapped / at the switch / cold | Prefix from the store (mapped ahead; from memory) | Tokens = native: "
+             "warm / all mapped / cold | All mapped = cold; at the switch = warm |", "|" + "---:|" * 12]
     for r in report["rows"]:
         def way(name: str) -> str:
             return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
 
-        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | {way('whole')} "
-                     f"| {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×) "
-                     f"| {r['warm_connector_ms']:.1f} / {r['whole_connector_ms']:.1f} / "
+        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | {way('folder')} "
+                     f"| {way('whole')} | {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms "
+                     f"({r['ceiling_speedup']:.2f}×) | {r['warm_connector_ms']:.1f} / {r['folder_connector_ms']:.1f} / "
+                     f"{r['whole_connector_ms']:.1f} / "
                      f"{r['remap_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | {r['stored_fraction']:.0%} "
-                     f"({r['premapped_fraction']:.0%}) | {r['warm_token_agreement']:.0%} / "
+                     f"({r['premapped_fraction']:.0%}; {r.get('hot_fraction', 0):.0%}) | "
+                     f"{r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
     measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]

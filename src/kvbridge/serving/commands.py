@@ -76,6 +76,19 @@ def add_native_rest(group) -> None:
                             f"source prefills them for the mapper, as on the cold path (default: {default})")
 
 
+def add_store_memory(group) -> None:
+    group.add_argument("--store-memory-gb", type=float, default=1.0, metavar="GB",
+                       help="blocks the source engine maps ahead are loaded into the target's memory as it announces "
+                            "them, up to this much (least recently used out first), so that an escalated turn reads "
+                            "them from memory; 0: read from the store's folder when a turn needs them (default: 1)")
+
+
+def store_memory_bytes(args) -> int:
+    if not args.store_memory_gb >= 0:
+        raise KVBridgeError(f"--store-memory-gb must be 0 or more, not {args.store_memory_gb}.")
+    return int(args.store_memory_gb * 2**30)
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     from .config import MODES, ServeConfig
 
@@ -107,6 +120,7 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
                         "4 MB)")
     add_native_rest(w)
+    add_store_memory(w)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -121,7 +135,7 @@ def _cmd_serve(args) -> int:
 
     min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
-                                          native_rest=args.native_rest,
+                                          native_rest=args.native_rest, store_memory_bytes=store_memory_bytes(args),
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
@@ -377,6 +391,7 @@ def _cascade_parser() -> argparse.ArgumentParser:
                    help="the source engine stores its K/V only; the target maps them when a turn escalates "
                         "(default: the source engine also maps each stored block ahead, in a background thread)")
     add_native_rest(p)
+    add_store_memory(p)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
@@ -397,7 +412,7 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
         if args.connector_dtype not in (None, "auto"):
             source += ["--map-dtype", args.connector_dtype]
     for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
-                 "recompute", "connector_device", "connector_dtype", "native_rest"):
+                 "recompute", "connector_device", "connector_dtype", "native_rest", "store_memory_gb"):
         value = getattr(args, flag)
         if value is not None and not (flag.startswith("connector_") and value == "auto"):
             target += [f"--{flag.replace('_', '-')}", str(value)]
@@ -414,6 +429,7 @@ def _cmd_cascade(args) -> int:
 
     target_parallel(args.vllm_args)  # before anything starts: the target's connector would refuse it later
     _store_config(args)
+    store_memory_bytes(args)  # (checked before anything starts)
     source_args, target_args = pair_argv(args)
     log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs in "
          f"{args.log_dir}/")
@@ -462,6 +478,7 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                    help="the started source server stores its K/V only, the target maps them on escalation "
                         "(default: the source server maps each stored block ahead)")
     add_native_rest(p)
+    add_store_memory(p)
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")
@@ -514,6 +531,7 @@ def _cmd_cascade_bench(args) -> int:
             with tempfile.TemporaryDirectory(prefix="kvbridge-store-") as tmp:
                 args.store = args.store or tmp
                 _store_config(args)
+                store_memory_bytes(args)  # (checked before anything starts)
                 source_args, target_args = pair_argv(args)
                 also = " and the source without a store" if args.source_baseline else ""
                 log(f"starting the source and target servers{also} (logs in {args.log_dir}/)")

@@ -13,11 +13,12 @@ A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbr
 
 ``"kvbridge_store": false`` (optional) builds the prefix from a fresh source prefill even when the server's KV store
 holds the source's own K/V of it (the cold path, for comparisons); ``"source"`` maps the stored source K/V at the
-switch, ignoring blocks the source engine mapped ahead. When the stored prefix leaves at most ``native_rest`` prompt
-tokens before the hold-back (a conversation's new turn), the connector loads the stored prefix only and the engine
-computes those tokens itself, over it, as it computes the held-back ones: no source prefill at all
-(``"kvbridge_native_rest": n`` per request; 0: the source and the mapper cover them too, and the warm prefix equals
-the cold path's). ``"kvbridge_hold_back": n`` (optional) makes
+switch, ignoring blocks the source engine mapped ahead; ``"folder"`` reads the blocks mapped ahead from the
+store's folder even when the connector holds them in memory (both for comparisons). When the stored prefix leaves
+at most ``native_rest`` prompt tokens before the hold-back (a conversation's new turn), the connector loads the
+stored prefix only and the engine computes those tokens itself, over it, as it computes the held-back ones: no
+source prefill at all (``"kvbridge_native_rest": n`` per request; 0: the source and the mapper cover them too, and
+the warm prefix equals the cold path's). ``"kvbridge_hold_back": n`` (optional) makes
 the engine compute the last ``n`` prompt tokens itself instead of the mapper's hold-back: a scoring request that
 asks for ``prompt_logprobs`` of a continuation holds the continuation back, so it is scored by the target over the
 mapped context.
@@ -82,7 +83,9 @@ class ServeConfig(ExtraConfig):
     without a source prefill, or read where that engine mapped them ahead); ``store_verify``: check each entry's
     CRC-32 as it is read; ``native_rest``: when a prompt's stored prefix leaves at most this many tokens before the
     hold-back (a conversation's new turn), the engine computes them itself over the stored prefix instead of the
-    source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's).
+    source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's);
+    ``store_memory_bytes``: blocks the source engine maps ahead are loaded into the worker's memory as they are
+    announced, up to this many bytes (:mod:`kvbridge.serving.hot`; 0: read from the folder when a request needs them).
     """
 
     mapper: str
@@ -97,6 +100,7 @@ class ServeConfig(ExtraConfig):
     store: str | None = None
     store_verify: bool = True
     native_rest: int = 256
+    store_memory_bytes: int = 1 << 30
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -110,6 +114,10 @@ class ServeConfig(ExtraConfig):
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
         request_native_rest({NATIVE_REST: self.native_rest}, "native_rest")
+        if not isinstance(self.store_memory_bytes, int) or isinstance(self.store_memory_bytes, bool) or \
+                self.store_memory_bytes < 0:
+            raise InputError(f"kvbridge serving: store_memory_bytes must be an integer >= 0, not "
+                             f"{self.store_memory_bytes!r}.")
         known = {"hold_back", "recompute", "recompute_by", "recompute_window", "sink"}
         if not isinstance(self.runtime, dict) or set(self.runtime) - known:
             raise InputError(f"kvbridge serving: runtime overrides must be a dict of {', '.join(sorted(known))}, "
@@ -233,12 +241,13 @@ def request_hold_back(params: Any) -> int | None:
 
 def request_use_store(params: Any) -> bool | str:
     """A request's ``kv_transfer_params.kvbridge_store``: True (what it sets when it sets none: the store's entries,
-    blocks mapped ahead read), ``"source"`` (the stored source K/V only, mapped at the switch: a comparison with
-    map-ahead) or False (a fresh source prefill even when the store holds the prefix — the cold path); InputError
-    for anything else."""
+    blocks mapped ahead read, from memory where the connector loaded them), ``"folder"`` (those blocks read from the
+    store's folder: a comparison with the memory tier), ``"source"`` (the stored source K/V only, mapped at the
+    switch: a comparison with map-ahead) or False (a fresh source prefill even when the store holds the prefix — the
+    cold path); InputError for anything else."""
     value = params.get(USE_STORE, True) if isinstance(params, dict) else True
-    if not isinstance(value, bool) and value != "source":
-        raise InputError(f'kv_transfer_params.{USE_STORE} must be true, false or "source", not {value!r}.')
+    if not isinstance(value, bool) and value not in ("source", "folder"):
+        raise InputError(f'kv_transfer_params.{USE_STORE} must be true, false, "folder" or "source", not {value!r}.')
     return value
 
 

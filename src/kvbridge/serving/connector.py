@@ -61,6 +61,8 @@ STATUSES = ("mapped", "cached", "native", "short", "fallback")
 COUNTS = {"stored_tokens": "prompt tokens mapped from the source engine's stored K/V (warm transfer: no source "
                            "prefill)",
           "premapped_tokens": "prompt tokens whose target K/V the source engine mapped ahead (read, not mapped)",
+          "hot_tokens": "of those, prompt tokens read from the connector's memory (loaded as the source engine "
+                        "announced them)",
           "store_refused": "mapped requests whose store lookup refused an entry (another source model or map, "
                            "torn or corrupted)"}
 
@@ -76,7 +78,7 @@ class Load:
     end: int
     block_ids: list[int]
     salt: str | None = None  # the client's own cache_salt: the store's entries are keyed by it too
-    use_store: bool | str = True  # True, False or "source" (config.request_use_store)
+    use_store: bool | str = True  # True, False, "folder" or "source" (config.request_use_store)
 
 
 @dataclass
@@ -88,9 +90,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``), map time, prefix tokens
     read from the store, why a store entry was refused (None: none was), and prefix tokens whose target K/V the
-    source engine had mapped ahead."""
+    source engine had mapped ahead (of them, read from the connector's memory)."""
 
-    outcomes: dict[str, tuple[str, float, int, str | None, int]] = field(default_factory=dict)
+    outcomes: dict[str, tuple[str, float, int, str | None, int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
@@ -129,8 +131,8 @@ class KVBridgeStats(KVConnectorStats):
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total``,
-    ``vllm:kvbridge_stored_tokens_total``, ``vllm:kvbridge_premapped_tokens_total`` and
-    ``vllm:kvbridge_store_refused_total``."""
+    ``vllm:kvbridge_stored_tokens_total``, ``vllm:kvbridge_premapped_tokens_total``,
+    ``vllm:kvbridge_hot_tokens_total`` and ``vllm:kvbridge_store_refused_total``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -234,7 +236,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._decided: dict[str, tuple[str, int, int]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._map_ms: dict[str, float] = {}
-        self._stored: dict[str, tuple[int, int]] = {}  # request id -> prefix tokens from the store, mapped ahead
+        # request id -> prefix tokens from the store, mapped ahead, of them read from memory
+        self._stored: dict[str, tuple[int, int, int]] = {}
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
         self._counted: dict[str, tuple[int, int]] = {}  # request id -> (limit, stored tokens): asked each step
         self._stats = KVBridgeStats()
@@ -243,8 +246,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._layers: list[tuple[int, Any]] | None = None
         self._heads = slice(None)  # this worker's KV heads of the target (its tensor-parallel share)
         self._failed_blocks: set[int] = set()
-        self._outcomes: dict[str, tuple[str, float, int, str | None, int]] = {}
+        self._outcomes: dict[str, tuple[str, float, int, str | None, int, int]] = {}
         self._store = None  # the source engine's KV store, once it exists
+        self._hot = None  # its blocks mapped ahead by this map, in memory (kvbridge.serving.hot)
+        self._clock = None  # when the engine's steps run (the prefetch waits for a quiet spell)
         self._identity: str | None = None
         self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
         if role == KVConnectorRole.WORKER:
@@ -298,6 +303,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                         bridge.mapper.dtype)
             logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill, "
                         "or read where the source engine mapped them ahead (warm transfer)", self.config.store)
+            if self.config.store_memory_bytes > 0:
+                from .hot import HotEntries
+                from .idle import StepClock
+
+                self._clock = StepClock()
+                self._hot = HotEntries(self.store, self._map_id, self.config.store_memory_bytes, self._clock,
+                                       logger).start()
+                logger.info("kvbridge connector: blocks mapped ahead are loaded into memory as the source engine "
+                            "announces them (up to %.2f GiB)", self.config.store_memory_bytes / 2**30)
         return bridge
 
     def store(self):
@@ -335,20 +349,22 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @torch.no_grad()
     def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool | str = True):
-        """``(keys, values, stored tokens, refusal, premapped tokens)``: post-RoPE target K/V (T, H, D) per layer for
-        ``token_ids``, from the source and the mapper (and the target's recompute of the chosen tokens): what
+        """``(segments, stored tokens, refusal, premapped tokens, of them from memory)``: post-RoPE target K/V for
+        ``token_ids`` as ``(first position, keys, values)`` per run of positions (keys and values per layer, (t, H,
+        D)), from the source and the mapper (and the target's recompute of the chosen tokens): what
         :meth:`kvbridge.Bridge.mapped_cache` builds. With a store, its longest prefix of ``token_ids`` (entries of
         the client's ``salt``) is mapped from the source engine's own K/V and the source runs over the rest of
         ``token_ids`` (the scheduler loads only the stored prefix when the rest is the engine's: then there is
         none, unless an entry it counted fails its checks here); of that prefix, the blocks the source engine
         mapped ahead are read, not mapped (a map that recomputes no token and finds all of ``token_ids`` mapped
-        ahead reads those entries alone). ``refusal`` says why a store entry was skipped (None: none was); whatever
+        ahead reads those entries alone, each block its own segment, held in memory where the prefetch loaded it).
+        ``refusal`` says why a store entry was skipped (None: none was); whatever
         fails with the store's entries, the cold path answers."""
         from ..models import cache_kv
         from ..recompute import Stored
 
         ids = torch.tensor([token_ids], dtype=torch.long)
-        tokens, refusal, cache, premapped = 0, None, None, 0
+        tokens, refusal, cache, premapped, hot = 0, None, None, 0, 0
         if use_store and self.config.store:
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
@@ -356,33 +372,44 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     from .store import chain, chain_seed
 
                     seed, ahead = chain_seed(self._identity, salt), None
-                    if use_store is True:  # the blocks mapped ahead, read once ("source": ignored, a comparison)
-                        ahead = store.lookup(seed, self._identity, token_ids, len(token_ids), map_id=self._map_id)
+                    if use_store in (True, "folder"):  # the blocks mapped ahead, read once ("source": ignored)
+                        memory = self._hot is not None and use_store is True  # ("folder": a comparison)
+                        ahead = store.lookup(seed, self._identity, token_ids, len(token_ids), map_id=self._map_id,
+                                             hot=self._hot.get if memory else None)
                         refusal = ahead.reason
                         if ahead.tokens == len(token_ids) and not self._bridge.selects_tokens and all(
-                                math.isfinite(t.sum(dtype=torch.float32)) for t in ahead.keys + ahead.values):
+                                in_memory or all(math.isfinite(t.sum(dtype=torch.float32)) for t in (k, v))
+                                for k, v, _, in_memory in ahead.parts):  # (memory holds finite blocks only)
                             # the map's output is all this map needs: the source's entries are not read, only
-                            # marked used (the scheduler counts them: they must not be evicted first)
-                            store.touch(chain(seed, token_ids, store.block_tokens))
-                            return ([k[0].transpose(0, 1) for k in ahead.keys],
-                                    [v[0].transpose(0, 1) for v in ahead.values], ahead.tokens, None, ahead.tokens)
+                            # marked used (the scheduler counts them: they must not be evicted first), off the
+                            # request's path where the prefetch thread runs
+                            keys = chain(seed, token_ids, store.block_tokens)
+                            (self._hot.later if self._hot is not None else lambda job: job())(
+                                lambda: store.touch(keys))
+                            segments, start = [], 0
+                            for k, v, _, _ in ahead.parts:
+                                segments.append((start, k.unbind(0), v.unbind(0)))
+                                start += k.shape[1]
+                            return segments, ahead.tokens, None, ahead.tokens, ahead.hot_tokens
                     found = store.lookup(seed, self._identity, token_ids, len(token_ids))
                     tokens, refusal = found.tokens, found.reason or refusal
                     if found.tokens:
                         mapped = None
                         if ahead is not None and ahead.tokens:  # (within the stored source prefix)
                             premapped = min(ahead.tokens, found.tokens)
+                            hot = ahead.hot_within(premapped)
                             mapped = tuple([t[:, :, :premapped] for t in layers]
                                            for layers in (ahead.keys, ahead.values))
                         stored = Stored(found.tokens, found.keys, found.values, found.hidden, mapped)
                         cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
             except Exception as exc:
-                tokens, premapped = 0, 0
+                tokens, premapped, hot = 0, 0, 0
                 refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if cache is None:
             cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
         keys, values = cache_kv(cache)
-        return [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values], tokens, refusal, premapped
+        return ([(0, [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values])], tokens, refusal,
+                premapped, hot)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -390,9 +417,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
-            stored, refused, premapped = 0, None, 0
+            stored, refused, premapped, hot = 0, None, 0, 0
             try:
-                stored, refused, premapped = self._write(forward_context, load)
+                stored, refused, premapped, hot = self._write(forward_context, load)
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -403,21 +430,30 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 logger.warning("kvbridge connector: request %s: a store entry was refused (%s); what it held was "
                                "computed instead", load.request_id, refused)
             self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused,
-                                               premapped)
+                                               premapped, hot)
 
-    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int]:
+    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int, int]:
         layers = self._attention_layers(forward_context)
-        keys, values, stored, refused, premapped = self.map_prompt(load.token_ids[:load.end], load.salt,
-                                                                   load.use_store)
-        pos = torch.arange(load.start, load.end)
+        segments, stored, refused, premapped, hot = self.map_prompt(load.token_ids[:load.end], load.salt,
+                                                                    load.use_store)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
-        slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        for index, layer in layers:
-            kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
-            k, v = (x[load.start:load.end, self._heads].to(kv_cache.device, kv_cache.dtype).contiguous()
-                    for x in (keys[index], values[index]))
-            layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
-        return stored, refused, premapped
+        for first, keys, values in segments:  # positions [first, first + t) each: written where they are loaded
+            lo, hi = max(first, load.start), min(first + keys[0].shape[0], load.end)
+            if lo >= hi:
+                continue
+            pos = torch.arange(lo, hi)
+            slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+            for index, layer in layers:
+                kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+                k, v = (x[lo - first:hi - first, self._heads].to(kv_cache.device, kv_cache.dtype).contiguous()
+                        for x in (keys[index], values[index]))
+                layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
+        return stored, refused, premapped, hot
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        if self._clock is not None:
+            self._clock.begin()
+        super().bind_connector_metadata(connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done in start_load_kv
@@ -426,7 +462,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # a consumer: nothing is saved
 
     def wait_for_save(self):
-        return
+        if self._clock is not None:  # the step's forward is done
+            self._clock.end()
+
+    def shutdown(self):
+        if self._hot is not None:
+            self._hot.stop()
+        super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -530,15 +572,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        for rid, (status, ms, stored, refused, premapped) in getattr(meta, "outcomes", {}).items():
+        for rid, (status, ms, stored, refused, premapped, hot) in getattr(meta, "outcomes", {}).items():
             self._stats.data["map_ms"] += ms
             self._stats.data["stored_tokens"] += stored
             self._stats.data["premapped_tokens"] += premapped
+            self._stats.data["hot_tokens"] += hot
             self._stats.data["store_refused"] += int(refused is not None)
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = ms
-                self._stored[rid] = (stored, premapped)
+                self._stored[rid] = (stored, premapped, hot)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -553,7 +596,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if status == "mapped":
             params["kvbridge_mapped_tokens"] = tokens
             if stored is not None and self.config.store:
-                params["kvbridge_stored_tokens"], params["kvbridge_premapped_tokens"] = stored
+                params["kvbridge_stored_tokens"], params["kvbridge_premapped_tokens"], \
+                    params["kvbridge_hot_tokens"] = stored
         if ms is not None:
             params["kvbridge_map_ms"] = round(ms, 2)
         return False, params

@@ -41,33 +41,13 @@ from vllm.logger import init_logger
 
 from ..errors import UnsupportedModelError
 from .config import StoreConfig
+from .idle import StepClock, single_threaded
 from .store import KVStore, chain_seed, map_identity, next_key
 
 logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
 LAG_TAILS = 4096  # map-ahead: the last source tokens of this many recent blocks, for the lags of the block after
 MAP_QUEUE_BYTES = 256 << 20  # stored blocks waiting to be mapped; beyond, blocks are not mapped ahead (logged)
-# The background threads work while the engine is idle: their Python holds the interpreter's lock the engine's
-# steps need, and their torch threads share its cores (on a 2-core CPU, writing and mapping as the source decoded
-# doubled its answer times). A block waits for IDLE_S without a step, at most DEFER_S (under a steady load it is
-# then stored anyway: at the engine's pace, a little late), and not at all once a quarter of its queue's budget
-# waits (a fast engine would otherwise fill the queue and lose blocks).
-IDLE_S = 0.02
-DEFER_S = 2.0
-
-
-def single_threaded() -> None:
-    """This thread's torch work on one OpenMP thread (the calling thread's own setting; ``torch.set_num_threads``
-    would change the engine's too): a background thread's parallel regions must not take the engine's cores."""
-    import ctypes
-
-    torch.get_num_threads()  # torch's first call in a thread sets the thread's OpenMP count to its global one
-    try:
-        ctypes.CDLL(None).omp_set_num_threads(1)
-    except (AttributeError, OSError):  # no OpenMP runtime in the process: nothing to limit
-        pass
-
-
 @dataclass
 class Capture:
     """One request's tokens of this step: positions [start, start + count) in ``block_ids[0]``'s block onward;
@@ -217,9 +197,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._queued_lock = threading.Lock()
         self._map_queue: queue.Queue | None = None
         self._map_bytes = 0
-        # (the engine's step is running, time.monotonic() of the last step's start or end): one assignment, so
-        # that a background thread never reads one half of a step's start with the other half of its end
-        self._step_mark = (False, 0.0)
+        self._clock = StepClock()  # the threads write and map while the engine is idle (kvbridge.serving.idle)
         if role == KVConnectorRole.WORKER:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
@@ -322,7 +300,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update = update
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self._step_mark = (True, time.monotonic())
+        self._clock.begin()
         super().bind_connector_metadata(connector_metadata)
         captures = getattr(connector_metadata, "captures", None)
         self._step = {"captures": captures, "rows": None, "kv": {}} if captures else None
@@ -390,19 +368,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             logger.warning("kvbridge source connector: a step's blocks were not stored (%s)", exc)
             self._pending.clear()
         finally:
-            self._step_mark = (False, time.monotonic())
-
-    def _when_idle(self, since: float, backlog) -> None:
-        """Return once the engine has run no step for ``IDLE_S``, ``DEFER_S`` after ``since``, or as soon as
-        ``backlog()`` is true (a background thread, before each block: the source's own requests come first, but
-        its queue must not overflow)."""
-        while not backlog():
-            in_step, mark = self._step_mark
-            now = time.monotonic()
-            left = DEFER_S - (now - since)
-            if left <= 0 or (not in_step and now - mark >= IDLE_S):
-                return
-            time.sleep(min(IDLE_S if in_step else max(IDLE_S - (now - mark), 0.002), left))
+            self._clock.end()
 
     def _write_backlog(self) -> bool:
         return self._queued_bytes > QUEUE_BYTES // 4
@@ -476,7 +442,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while True:
             size, item, since = self._queue.get()
             try:
-                self._when_idle(since, self._write_backlog)
+                self._clock.wait(since, self._write_backlog)
                 if item[0] == "touch":
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
@@ -509,7 +475,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while True:
             size, item, since = self._map_queue.get()
             try:
-                self._when_idle(since, self._map_backlog)
+                self._clock.wait(since, self._map_backlog)
                 self._premap(*item)
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)

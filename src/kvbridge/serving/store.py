@@ -43,7 +43,8 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -58,6 +59,8 @@ STORE_FILE = "store.json"
 DEFAULT_CAP = 2 << 30  # 2 GiB
 RESCAN_WRITES = 64  # a writer recounts the folder this often (other writers' entries count against the cap too)
 STALE_TMP_S = 600  # a temporary file this old belongs to a writer that died
+JOURNAL_FILE = "mapped.journal"  # the mapped entries written lately, one path per line: what a reader may prefetch
+JOURNAL_BYTES = 1 << 20  # beyond, the next writer starts a new journal (a reader then reads that one from its start)
 
 
 def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -118,16 +121,45 @@ def _shared(stored: list[int], ids: list[int], start: int, limit: int) -> int:
 
 @dataclass
 class Found:
-    """The longest stored prefix of a prompt: ``tokens`` of it, with per-layer keys and values (1, H, tokens, D),
-    hidden states (1, tokens, S; None for mapped entries); ``refused``: entries skipped (another identity, torn,
-    corrupted), with the reason of the first."""
+    """The longest stored prefix of a prompt: ``tokens`` of it, as the entries' blocks (``parts``: per block its keys
+    and values (L, t, H, D), hidden states (t, S; None for mapped entries) and whether it came from memory
+    (:mod:`kvbridge.serving.hot`: verified when it was loaded)); per-layer ``keys`` and ``values`` (1, H, tokens, D)
+    and ``hidden`` (1, tokens, S) assembled from them when first read; ``hot_tokens`` of them read from memory;
+    ``refused``: entries skipped (another identity, torn, corrupted), with the reason of the first."""
 
     tokens: int
-    keys: list[torch.Tensor] | None = None
-    values: list[torch.Tensor] | None = None
-    hidden: torch.Tensor | None = None
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = field(default_factory=list)
     refused: int = 0
     reason: str | None = None
+    hot_tokens: int = 0
+
+    def _layers(self, index: int) -> list[torch.Tensor] | None:
+        if not self.parts:
+            return None
+        whole = torch.cat([p[index] for p in self.parts], dim=1) if len(self.parts) > 1 else self.parts[0][index]
+        return list(whole.transpose(1, 2)[:, None].unbind(0))  # L × (1, H, T, D)
+
+    def hot_within(self, n: int) -> int:
+        """How many of the first ``n`` tokens came from memory."""
+        hot = start = 0
+        for keys, _, _, in_memory in self.parts:
+            hot += max(0, min(keys.shape[1], n - start)) if in_memory else 0
+            start += keys.shape[1]
+        return hot
+
+    @cached_property
+    def keys(self) -> list[torch.Tensor] | None:
+        return self._layers(0)
+
+    @cached_property
+    def values(self) -> list[torch.Tensor] | None:
+        return self._layers(1)
+
+    @cached_property
+    def hidden(self) -> torch.Tensor | None:
+        if not self.parts or self.parts[0][2] is None:
+            return None
+        return torch.cat([p[2] for p in self.parts], dim=0)[None]  # (1, T, S)
 
 
 class KVStore:
@@ -211,7 +243,55 @@ class KVStore:
             tmp.unlink(missing_ok=True)
             return False
         self._grew(len(data))
+        if map_id:
+            self.announce(path)
         return True
+
+    # -- the journal of mapped entries ---------------------------------------------------------------
+    def announce(self, path: Path) -> None:
+        """Note a mapped entry just written in the journal (one ``O_APPEND`` write per line), so that a target's
+        connector can load it into memory before a request needs it (:mod:`kvbridge.serving.hot`). A hint only:
+        nothing is lost when it cannot be written."""
+        line = (str(path.relative_to(self.root)) + "\n").encode()
+        journal = self.root / JOURNAL_FILE
+        try:
+            fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+                full = os.fstat(fd).st_size > JOURNAL_BYTES
+            finally:
+                os.close(fd)
+            if full:  # a new, empty journal in its place (its readers see another inode and read it from its start)
+                tmp = journal.with_name(f".{JOURNAL_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp.write_bytes(b"")
+                os.replace(tmp, journal)
+        except OSError:
+            pass
+
+    def announced(self, cursor: tuple[int, int] | None) -> tuple[list[Path], tuple[int, int] | None]:
+        """The mapped entries announced since ``cursor`` (None: from now on — what was written before is not
+        prefetched), and the cursor to pass next time. Lines of a journal that was replaced since the last call
+        after that call are missed (a hint: those entries are read from the folder when a request needs them)."""
+        journal = self.root / JOURNAL_FILE
+        try:
+            with open(journal, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                if cursor is None:
+                    return [], (stat.st_ino, stat.st_size)
+                offset = cursor[1] if cursor[0] == stat.st_ino and cursor[1] <= stat.st_size else 0
+                handle.seek(offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return [], cursor if cursor is not None else (0, 0)
+        except OSError:
+            return [], cursor
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        paths = []
+        for line in data[:end].decode("utf-8", "replace").splitlines():
+            rel = Path(line)
+            if line and not rel.is_absolute() and ".." not in rel.parts:  # entries inside the store only
+                paths.append(self.root / rel)
+        return paths, (stat.st_ino, offset + end)
 
     def tail_path(self, parent: str) -> Path:
         return self.root / "entries" / parent[:2] / f"{parent}.tail.safetensors"
@@ -355,44 +435,52 @@ class KVStore:
             start += _shared(stored, ids, start, limit)
         return min(start, limit)
 
-    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None) -> Found:
+    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None,
+               hot=None) -> Found:
         """The longest stored prefix of ``ids`` within its first ``limit`` tokens: full blocks while they are
         stored, then the part of a request's final partial block (a tail) that matches; the first missing or
         refused entry ends it (the rest must be computed). ``map_id``: the mapped entries of that map along the
-        same chain (``seed`` and ``identity_`` stay the source's; ``hidden`` is then None)."""
+        same chain (``seed`` and ``identity_`` stay the source's; ``hidden`` is then None); ``hot``: where a mapped
+        entry is first looked for (path -> its verified tensors or None: :class:`kvbridge.serving.hot.HotEntries`)."""
         found = Found(0)
-        parts: list[dict[str, torch.Tensor]] = []
         parent = seed
         bt = self.block_tokens
         limit = min(limit, len(ids))
         start = 0
         mapped = map_id is not None
+
+        def entry(path: Path, identity__: str, block: list[int] | None):
+            got = hot(path) if hot is not None and mapped else None
+            if got is None:
+                return self.get(path, identity__, block, mapped), False
+            if block is not None and got["ids"].tolist() != block:
+                return "another token block under this key", False
+            return got, True
+
         while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
             block = ids[start:start + bt]
             key = next_key(parent, block)
-            got = self.get(self.mapped_path(key, map_id), map_id, block, True) if mapped else \
-                self.get(self.path(key), identity_, block)
+            got, in_memory = entry(self.mapped_path(key, map_id), map_id, block) if mapped else \
+                entry(self.path(key), identity_, block)
             if isinstance(got, str):
                 found.refused, found.reason = 1, got
             if not isinstance(got, dict):
                 break
-            parts.append(got)
+            take = min(bt, limit - start)  # the last block may pass the limit
+            found.parts.append((got["key"][:, :take], got["value"][:, :take],
+                                None if mapped else got["hidden"][:take], in_memory))
+            found.hot_tokens += take if in_memory else 0
             parent, start = key, start + bt
         if not found.refused and start < limit:
-            tail = self.get(self.mapped_path(parent, map_id, True), map_id, None, True) if mapped else \
-                self.get(self.tail_path(parent), identity_, None)
+            tail, in_memory = entry(self.mapped_path(parent, map_id, True), map_id, None) if mapped else \
+                entry(self.tail_path(parent), identity_, None)
             if isinstance(tail, str):
                 found.refused, found.reason = 1, tail
             elif tail is not None:
                 m = _shared(tail["ids"].tolist(), ids, start, limit)
                 if m:
-                    parts.append({name: t[:, :m] if name in ("key", "value") else t[:m] for name, t in tail.items()})
-        if parts:
-            n = found.tokens = min(limit, sum(p["ids"].numel() for p in parts))  # the last block may pass the limit
-            keys = torch.cat([p["key"] for p in parts], dim=1)[:, :n]  # (L, T, H, D)
-            values = torch.cat([p["value"] for p in parts], dim=1)[:, :n]
-            found.keys = list(keys.transpose(1, 2)[:, None].unbind(0))  # L × (1, H, T, D)
-            found.values = list(values.transpose(1, 2)[:, None].unbind(0))
-            if not mapped:
-                found.hidden = torch.cat([p["hidden"] for p in parts], dim=0)[None, :n]  # (1, T, S)
+                    found.parts.append((tail["key"][:, :m], tail["value"][:, :m],
+                                        None if mapped else tail["hidden"][:m], in_memory))
+                    found.hot_tokens += m if in_memory else 0
+        found.tokens = sum(p[0].shape[1] for p in found.parts)
         return found
