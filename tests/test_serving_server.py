@@ -190,3 +190,5 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     assert row["hot_fraction"] == row["premapped_fraction"], row
     conversation = report["conversations"]["400"][0]
     assert conversation["warm"]["tokens"] == conversation["folder"]["tokens"]
+    low, high = row["folder_minus_warm_interval"]
+    assert low <= row["folder_minus_warm_ms"] <= high and "Paired per conversation" in cascade_table(report)

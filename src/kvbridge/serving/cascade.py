@@ -68,6 +68,9 @@ class CascadeRow:
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
     hot_fraction: float  # of them, median share read from the target connector's memory (loaded ahead)
+    # paired, per conversation: the folder way's TTFT minus warm's (median, and its 95 % bootstrap interval)
+    folder_minus_warm_ms: float
+    folder_minus_warm_interval: tuple[float, float]
     native_fraction: float  # median share the target computed itself on the warm way (new turn and hold-back)
     whole_equals_cold: float  # share of conversations whose escalated answers are identical
     remap_equals_warm: float
@@ -341,6 +344,8 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
         def connector(way: str) -> float:
             return statistics.median(r[f"{way}_connector_ms"] for r in results)
 
+        paired = [r["folder"][0] - r["warm"][0] for r in results]
+
         rows.append(CascadeRow(
             history_tokens=int(statistics.median(lengths)), conversations=n,
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
@@ -355,6 +360,7 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
             premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
             hot_fraction=statistics.median(r["hot_tokens"] / t for r, t in zip(results, lengths)),
+            folder_minus_warm_ms=statistics.median(paired), folder_minus_warm_interval=median_interval(paired),
             native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
             whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
             warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
@@ -370,6 +376,16 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
             "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
             "rows": [asdict(r) for r in rows], "conversations": raw}
+
+
+def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median of ``values`` (resampled with a fixed seed)."""
+    import random
+
+    from ..evaluate import percentile_interval
+
+    rng = random.Random(seed)
+    return percentile_interval([statistics.median(rng.choices(values, k=len(values))) for _ in range(replicates)])
 
 
 def cascade_table(report: dict) -> str:
@@ -390,6 +406,12 @@ def cascade_table(report: dict) -> str:
                      f"{r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
+    paired = [r for r in report["rows"] if r.get("folder_minus_warm_interval")]
+    if paired:
+        lines += ["", "Paired per conversation, the folder way's TTFT minus warm's (median, 95 % bootstrap interval): "
+                  + "; ".join(f"{r['history_tokens']:,} tokens {r['folder_minus_warm_ms']:+.1f} ms "
+                              f"[{r['folder_minus_warm_interval'][0]:+.1f}, {r['folder_minus_warm_interval'][1]:+.1f}]"
+                              for r in paired)]
     measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]
     if measured:
         lines += ["", "The source's own turns, served storing its K/V (and mapping them ahead, if on) vs. without a "
