@@ -278,8 +278,32 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
                  "http://127.0.0.1:2"]) == 1
     assert "--baseline-url" in capsys.readouterr().err
     for argv in (["serve", "--store", str(tmp_path)], ["cascade", "--store", str(tmp_path / "c")]):
-        assert main(argv + ["--store-memory-gb", "-1"]) == 1
-        assert "--store-memory-gb" in capsys.readouterr().err
+        for bad in ("-1", "inf", "nan"):
+            assert main(argv + ["--store-memory-gb", bad]) == 1
+            assert "--store-memory-gb" in capsys.readouterr().err
+
+
+def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
+    """`kvbridge cascade-bench --table`: a saved report's tables with its per-conversation figures (the paired
+    folder-minus-warm difference, the stalls), written beside it; another file is refused in one line."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from kvbridge.cli import main
+
+    saved = Path(__file__).parent.parent / "docs/results/serving/cascade-memory-plain-run3.json"
+    report = tmp_path / "r.json"
+    shutil.copy(saved, report)
+    assert main(["cascade-bench", "--table", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "Paired per conversation" in out and "Stalls" in out and (tmp_path / "r.md").read_text() == out
+    rows = json.loads(saved.read_text())["conversations"]["2000"]
+    diffs = sorted(r["folder"]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows)
+    assert f"{(diffs[15] + diffs[16]) / 2:+.1f} ms" in out  # the median of 32 paired differences
+    report.write_text(json.dumps({"rows": [{"history_tokens": 1}]}))
+    assert main(["cascade-bench", "--table", str(report)]) == 1
+    assert "not a report" in capsys.readouterr().err
 
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):

@@ -113,6 +113,7 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
             assert w == c, len(turn)
     # the server's default: the stored prefix is loaded, the target computes the 40 tokens after it itself
     assert serve_source(source, prompts, salt="s-default") == histories
+    time.sleep(1.0)  # (and the target's connector has loaded the blocks mapped ahead into memory)
     warm, status = ask_target(target, config, turns, salt="s-default")
     held, _ = ask_target(target, config, turns, use_store=False, salt="cold-held",
                          hold_back=lambda ids: len(ids) - next(len(h) - 1 for h in histories if ids[:len(h)] == h))

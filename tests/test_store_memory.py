@@ -33,11 +33,12 @@ def mapped_blocks(store: KVStore, ids: list[int], map_id: str = MAP, seed: int =
     return mapped
 
 
-def test_the_journal_announces_mapped_entries_from_now_on(tmp_path, monkeypatch):
+def test_the_journal_announces_mapped_entries(tmp_path, monkeypatch):
     store = KVStore(tmp_path, block_tokens=BT, create=True)
-    mapped_blocks(store, list(range(1, 12)), seed=1)  # before the reader starts: not announced to it
+    assert store.announced(None) == ([], None)  # no journal yet: what comes is read from its start
+    mapped_blocks(store, list(range(1, 12)), seed=1)  # before the reader's first look: read too (a restart)
     paths, cursor = store.announced(None)
-    assert paths == []
+    assert len(paths) == 2 and all(p.exists() for p in paths)
     ids = list(range(100, 119))  # two blocks and a tail
     mapped_blocks(store, ids, seed=2)
     paths, cursor = store.announced(cursor)
@@ -45,7 +46,7 @@ def test_the_journal_announces_mapped_entries_from_now_on(tmp_path, monkeypatch)
     assert store.announced(cursor)[0] == []  # read once
     # a line being written is read when it is whole; lines naming paths outside the store are ignored
     with open(tmp_path / store_module.JOURNAL_FILE, "a") as journal:
-        journal.write("../elsewhere.safetensors\n/etc/passwd\nentries/ab/half")
+        journal.write("../elsewhere.safetensors\n/etc/passwd\nentries/../../x\nentries/a\x00b\nentries/ab/half")
     paths, cursor = store.announced(cursor)
     assert paths == []
     with open(tmp_path / store_module.JOURNAL_FILE, "a") as journal:
@@ -83,16 +84,18 @@ def test_memory_holds_checked_finite_entries_of_its_map_and_lookups_read_them(tm
     for a, b in zip(folder.keys + folder.values, memory.keys + memory.values):
         assert torch.equal(a, b)
     assert torch.equal(memory.keys[2][0].transpose(0, 1), mapped[0, 2, :18])
+    # a held entry whose ids are not the prompt's block (a damaged copy): the folder's is read instead
+    first = next(iter(hot._entries))
+    held = hot._entries[first]
+    hot._entries[first] = dict(held, ids=held["ids"] + 1)
+    found = store.lookup(seed, ME, ids, 100, map_id=MAP, hot=hot.get)
+    assert found.tokens == 19 and found.hot_tokens == 19 - BT and not found.refused
+    hot._entries[first] = held
     # the files gone (evicted from the folder): the copies in memory still answer (content-addressed)
     for p in paths:
         p.unlink()
     assert store.lookup(seed, ME, ids, 100, map_id=MAP, hot=hot.get).tokens == 19
     assert store.lookup(seed, ME, ids, 100, map_id=MAP).tokens == 0
-    # a held entry whose ids do not match the prompt's block (a hash collision, a damaged entry) is refused
-    first = next(iter(hot._entries))
-    hot._entries[first] = dict(hot._entries[first], ids=hot._entries[first]["ids"] + 1)
-    found = store.lookup(seed, ME, ids, 100, map_id=MAP, hot=hot.get)
-    assert found.tokens == 0 and found.refused == 1
 
 
 def test_corrupted_non_finite_and_rewritten_entries_are_not_held(tmp_path):
@@ -138,22 +141,30 @@ def test_memory_keeps_its_cap_least_recently_used_out_first(tmp_path):
 def test_the_prefetch_thread_loads_what_is_announced_while_the_engine_is_idle(tmp_path):
     from kvbridge.serving.idle import IDLE_S, StepClock
 
+    class Failing(HotEntries):  # the first entry's load fails: the rest of its batch is still loaded
+        failed = False
+
+        def load(self, path):
+            if not self.failed:
+                self.failed = True
+                raise ValueError("injected")
+            return super().load(path)
+
     created = []
     clock = StepClock()
-    hot = HotEntries(lambda: created[0] if created else None, MAP, cap_bytes=1 << 20, clock=clock).start()
+    hot = Failing(lambda: created[0] if created else None, MAP, cap_bytes=1 << 20, clock=clock).start()
     try:
         time.sleep(0.15)  # no store yet: the thread waits for one
         created.append(KVStore(tmp_path, block_tokens=BT, create=True))
-        time.sleep(0.15)  # the thread has read the (absent) journal: what comes next is announced to it
         clock.begin()  # a step runs: nothing is loaded until it ends and a quiet spell passes
-        mapped_blocks(created[0], list(range(1, 17)), seed=9)
+        mapped_blocks(created[0], list(range(1, 25)), seed=9)  # three blocks
         time.sleep(0.3)
         assert len(hot) == 0
         clock.end()
         deadline = time.monotonic() + 5
         while len(hot) < 2 and time.monotonic() < deadline:
             time.sleep(IDLE_S)
-        assert len(hot) == 2 and hot.loaded == 2
+        assert len(hot) == 2 and hot.loaded == 2 and hot.skipped == 1  # (counted by the thread)
         done = []
         hot.later(lambda: done.append(True))  # work handed off the request's path runs on the thread
         deadline = time.monotonic() + 5

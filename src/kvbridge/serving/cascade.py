@@ -68,9 +68,6 @@ class CascadeRow:
     stored_fraction: float  # median share of the escalated prompt's tokens mapped from the store
     premapped_fraction: float  # of them, median share read as the source engine mapped them ahead
     hot_fraction: float  # of them, median share read from the target connector's memory (loaded ahead)
-    # paired, per conversation: the folder way's TTFT minus warm's (median, and its 95 % bootstrap interval)
-    folder_minus_warm_ms: float
-    folder_minus_warm_interval: tuple[float, float]
     native_fraction: float  # median share the target computed itself on the warm way (new turn and hold-back)
     whole_equals_cold: float  # share of conversations whose escalated answers are identical
     remap_equals_warm: float
@@ -344,7 +341,6 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
         def connector(way: str) -> float:
             return statistics.median(r[f"{way}_connector_ms"] for r in results)
 
-        paired = [r["folder"][0] - r["warm"][0] for r in results]
 
         rows.append(CascadeRow(
             history_tokens=int(statistics.median(lengths)), conversations=n,
@@ -360,7 +356,6 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
             premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
             hot_fraction=statistics.median(r["hot_tokens"] / t for r, t in zip(results, lengths)),
-            folder_minus_warm_ms=statistics.median(paired), folder_minus_warm_interval=median_interval(paired),
             native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
             whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
             warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
@@ -371,11 +366,12 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
                        {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"} |
                        ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
                        for r in results]
-    return {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
-            "warmup_conversations": warmup,
-            "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
-            "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
-            "rows": [asdict(r) for r in rows], "conversations": raw}
+    report = {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
+              "warmup_conversations": warmup,
+              "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
+              "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
+              "rows": [asdict(r) for r in rows], "conversations": raw}
+    return report | {"per_conversation": per_conversation(report)}
 
 
 def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -388,6 +384,32 @@ def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) 
     return percentile_interval([statistics.median(rng.choices(values, k=len(values))) for _ in range(replicates)])
 
 
+SHORT = ("warm", "folder", "whole", "remap", "cached")  # the ways whose turns skip most of the prefill
+
+
+def per_conversation(report: dict) -> dict:
+    """Figures over a report's conversations, per history length: the folder way's TTFT minus warm's, paired per
+    conversation (median and its 95 % bootstrap interval; files from before the folder way have none), and the
+    stalls — turns of the short ways and the ceiling that took more than twice their way's median: their share,
+    pooled, and the most any took beyond its median."""
+    out = {}
+    for h, rows in report["conversations"].items():
+        entry = {}
+        if rows and "folder" in rows[0]:
+            paired = [r["folder"]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows]
+            entry["folder_minus_warm_ms"] = statistics.median(paired)
+            entry["folder_minus_warm_interval"] = median_interval(paired)
+        stalled, excess, turns = 0, 0.0, 0
+        for way in (w for w in SHORT if rows and (w == "cached" or w in rows[0])):
+            times = [r["cached_ttft_ms"] if way == "cached" else r[way]["ttft_ms"] for r in rows]
+            median = statistics.median(times)
+            over = [t - median for t in times if t > 2 * median]
+            stalled, turns, excess = stalled + len(over), turns + len(times), max([excess] + over)
+        entry["stalled_share"], entry["stall_max_ms"] = (stalled / turns if turns else 0.0), excess
+        out[h] = entry
+    return out
+
+
 def cascade_table(report: dict) -> str:
     lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Warm, from the folder | Warm, all mapped | "
              "Mapped at the switch | Cold | Ceiling (prefix-cache hit) | Connector: warm / from the folder / all "
@@ -395,23 +417,30 @@ def cascade_table(report: dict) -> str:
              "warm / all mapped / cold | All mapped = cold; at the switch = warm |", "|" + "---:|" * 12]
     for r in report["rows"]:
         def way(name: str) -> str:
+            if name + "_ttft_ms" not in r:  # (a file from before that way)
+                return "—"
             return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
 
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | {way('folder')} "
                      f"| {way('whole')} | {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms "
-                     f"({r['ceiling_speedup']:.2f}×) | {r['warm_connector_ms']:.1f} / {r['folder_connector_ms']:.1f} / "
+                     f"({r['ceiling_speedup']:.2f}×) | {r['warm_connector_ms']:.1f} / "
+                     f"{r.get('folder_connector_ms', float('nan')):.1f} / "
                      f"{r['whole_connector_ms']:.1f} / "
                      f"{r['remap_connector_ms']:.1f} / {r['cold_connector_ms']:.1f} ms | {r['stored_fraction']:.0%} "
                      f"({r['premapped_fraction']:.0%}; {r.get('hot_fraction', 0):.0%}) | "
                      f"{r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
-    paired = [r for r in report["rows"] if r.get("folder_minus_warm_interval")]
+    extra = per_conversation(report)
+    paired = {h: e for h, e in extra.items() if "folder_minus_warm_ms" in e}
     if paired:
         lines += ["", "Paired per conversation, the folder way's TTFT minus warm's (median, 95 % bootstrap interval): "
-                  + "; ".join(f"{r['history_tokens']:,} tokens {r['folder_minus_warm_ms']:+.1f} ms "
-                              f"[{r['folder_minus_warm_interval'][0]:+.1f}, {r['folder_minus_warm_interval'][1]:+.1f}]"
-                              for r in paired)]
+                  + "; ".join(f"history {h} {e['folder_minus_warm_ms']:+.1f} ms "
+                              f"[{e['folder_minus_warm_interval'][0]:+.1f}, {e['folder_minus_warm_interval'][1]:+.1f}]"
+                              for h, e in paired.items())]
+    lines += ["", "Stalls (turns of the short ways and the ceiling over twice their way's median): "
+              + "; ".join(f"history {h} {e['stalled_share']:.0%} of them, up to {e['stall_max_ms']:.0f} ms "
+                          "over the median" for h, e in extra.items())]
     measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]
     if measured:
         lines += ["", "The source's own turns, served storing its K/V (and mapping them ahead, if on) vs. without a "

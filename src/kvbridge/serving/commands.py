@@ -79,13 +79,14 @@ def add_native_rest(group) -> None:
 def add_store_memory(group) -> None:
     group.add_argument("--store-memory-gb", type=float, default=1.0, metavar="GB",
                        help="blocks the source engine maps ahead are loaded into the target's memory as it announces "
-                            "them, up to this much (least recently used out first), so that an escalated turn reads "
-                            "them from memory; 0: read from the store's folder when a turn needs them (default: 1)")
+                            "them, up to this much per engine worker (least recently used out first), so that an "
+                            "escalated turn reads them from memory; 0: read from the store's folder when a turn needs "
+                            "them (default: 1)")
 
 
 def store_memory_bytes(args) -> int:
-    if not args.store_memory_gb >= 0:
-        raise KVBridgeError(f"--store-memory-gb must be 0 or more, not {args.store_memory_gb}.")
+    if not 0 <= args.store_memory_gb <= 1 << 20:  # (NaN and infinity fail too)
+        raise KVBridgeError(f"--store-memory-gb must be a number of GiB from 0 to 1048576, not {args.store_memory_gb}.")
     return int(args.store_memory_gb * 2**30)
 
 
@@ -447,9 +448,10 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvbridge cascade-bench",
         description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
-                    "then a third turn escalated to the target five ways — native (the target re-prefills the "
-                    "history), warm (the source's stored KV, mapped ahead, the new turn computed by the target: "
-                    "--native-rest), warm with the new turn mapped too (a native rest of 0), mapped at the switch "
+                    "then a third turn escalated to the target six ways — native (the target re-prefills the "
+                    "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
+                    "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
+                    "turn mapped too (a native rest of 0), mapped at the switch "
                     "(warm, blocks mapped ahead ignored) and cold (mapped from a fresh source prefill) — in "
                     "rotating order, then native again (a hit in the target's own prefix cache: the ceiling of any "
                     "transfer); median time to the first streamed token of each, and the escalated "
@@ -480,9 +482,31 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     add_native_rest(p)
     add_store_memory(p)
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
+    p.add_argument("--table", metavar="REPORT", help="no servers: print the tables of a saved report (a --json file of "
+                                                     "this command) with its per-conversation figures, and write them "
+                                                     "beside it as .md")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")
     return p
+
+
+def _cascade_table_of(path: str) -> int:
+    import json
+
+    from ..outputs import write_text
+    from .cascade import cascade_table
+
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        table = cascade_table(report)
+    except OSError as exc:
+        raise KVBridgeError(f"--table: cannot read {path} ({exc.strerror or exc}).") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KVBridgeError(f"--table: {path} is not a report of this version of `kvbridge cascade-bench --json` "
+                            f"({type(exc).__name__}: {exc}).") from None
+    print(table)
+    write_text(str(Path(path).with_suffix(".md")), table + "\n")
+    return 0
 
 
 def _cmd_cascade_bench(args) -> int:
@@ -494,6 +518,8 @@ def _cmd_cascade_bench(args) -> int:
     from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
     from .server import target_parallel
 
+    if args.table:
+        return _cascade_table_of(args.table)
     target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
     histories = counts(args.histories, minimum=256, flag="--histories")
     if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \

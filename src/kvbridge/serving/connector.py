@@ -26,7 +26,6 @@ sets it), so mapped blocks are never a prefix-cache hit for a native request or 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +98,8 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
         for rid, outcome in getattr(other, "outcomes", {}).items():
             if rid in merged and merged[rid][0] == "mapped" and outcome[0] != "mapped":
                 merged[rid] = outcome  # one worker's failure makes the request's load a failure
+            elif rid in merged and merged[rid][0] == outcome[0] == "mapped":  # each worker has its own memory tier:
+                merged[rid] = merged[rid][:5] + (min(merged[rid][5], outcome[5]),)  # what all of them read there
             else:
                 merged.setdefault(rid, outcome)
         return KVBridgeWorkerMetadata(merged)
@@ -369,7 +370,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
-                    from .store import chain, chain_seed
+                    from .store import all_finite, chain, chain_seed
 
                     seed, ahead = chain_seed(self._identity, salt), None
                     if use_store in (True, "folder"):  # the blocks mapped ahead, read once ("source": ignored)
@@ -378,14 +379,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                              hot=self._hot.get if memory else None)
                         refusal = ahead.reason
                         if ahead.tokens == len(token_ids) and not self._bridge.selects_tokens and all(
-                                in_memory or all(math.isfinite(t.sum(dtype=torch.float32)) for t in (k, v))
+                                in_memory or all_finite((k, v))
                                 for k, v, _, in_memory in ahead.parts):  # (memory holds finite blocks only)
                             # the map's output is all this map needs: the source's entries are not read, only
                             # marked used (the scheduler counts them: they must not be evicted first), off the
                             # request's path where the prefetch thread runs
                             keys = chain(seed, token_ids, store.block_tokens)
                             (self._hot.later if self._hot is not None else lambda job: job())(
-                                lambda: store.touch(keys))
+                                lambda: store.touch(keys, self._map_id))
                             segments, start = [], 0
                             for k, v, _, _ in ahead.parts:
                                 segments.append((start, k.unbind(0), v.unbind(0)))

@@ -22,7 +22,6 @@ store's events, LMCache's controller); here the journal is a file beside the ent
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -33,9 +32,14 @@ from pathlib import Path
 import torch
 
 from .idle import StepClock, single_threaded
+from .store import all_finite
 
 POLL_S = 0.05  # how often the journal is read
 DEFAULT_CAP = 1 << 30  # 1 GiB of mapped blocks in memory
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class HotEntries:
@@ -87,13 +91,12 @@ class HotEntries:
         if store is None or not path.name.endswith(self.suffix):
             return False
         got = store.get(path, self.map_id, None, mapped=True)
-        ok = isinstance(got, dict) and all(math.isfinite(got[name].sum(dtype=torch.float32))
-                                           for name in ("key", "value"))
-        size = sum(t.numel() * t.element_size() for t in got.values()) if ok else 0
+        ok = isinstance(got, dict) and all_finite((got["key"], got["value"]))
+        size = _nbytes(got) if ok else 0
         with self._lock:
             old = self._entries.pop(path, None)  # written again under its key (a tail): the newer one, or none
             if old is not None:
-                self._bytes -= sum(t.numel() * t.element_size() for t in old.values())
+                self._bytes -= _nbytes(old)
             if not ok or size > self.cap_bytes:
                 self.skipped += 1
                 return False
@@ -101,7 +104,7 @@ class HotEntries:
             self._bytes += size
             while self._bytes > self.cap_bytes:
                 _, out = self._entries.popitem(last=False)
-                self._bytes -= sum(t.numel() * t.element_size() for t in out.values())
+                self._bytes -= _nbytes(out)
         self.loaded += 1
         return True
 
@@ -130,11 +133,18 @@ class HotEntries:
                 since = time.monotonic()
                 for path in dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)):
                     self.clock.wait(since)  # the engine's steps first (at most DEFER_S for the whole batch)
-                    self.load(path)
+                    try:
+                        self.load(path)
+                    except Exception as exc:  # one entry: the rest of the batch is still loaded
+                        self.skipped += 1
+                        self._warn(exc)
                     self._jobs_now()
             except Exception as exc:  # prefetching is a hint: a failure leaves the folder's path as it was
-                if self.logger is not None:
-                    self.logger.warning("kvbridge connector: prefetching mapped blocks failed (%s)", exc)
+                self._warn(exc)
+
+    def _warn(self, exc: Exception) -> None:
+        if self.logger is not None:
+            self.logger.warning("kvbridge connector: prefetching mapped blocks failed (%s)", exc)
 
     def _jobs_now(self) -> None:
         while True:

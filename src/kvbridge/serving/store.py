@@ -38,6 +38,7 @@ deployment over several nodes would put the same entries in a shared object stor
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -109,6 +110,11 @@ def _sections(data) -> tuple[dict, memoryview]:
     view = memoryview(data)
     n = int.from_bytes(view[:8], "little")
     return json.loads(bytes(view[8:8 + n])), view[8 + n:]
+
+
+def all_finite(tensors) -> bool:
+    """No NaN or Inf in any of ``tensors`` (one sum each: NaN and Inf survive a sum)."""
+    return all(math.isfinite(t.sum(dtype=torch.float32)) for t in tensors)
 
 
 def _shared(stored: list[int], ids: list[int], start: int, limit: int) -> int:
@@ -269,27 +275,25 @@ class KVStore:
             pass
 
     def announced(self, cursor: tuple[int, int] | None) -> tuple[list[Path], tuple[int, int] | None]:
-        """The mapped entries announced since ``cursor`` (None: from now on — what was written before is not
-        prefetched), and the cursor to pass next time. Lines of a journal that was replaced since the last call
-        after that call are missed (a hint: those entries are read from the folder when a request needs them)."""
+        """The mapped entries announced since ``cursor`` (None: the whole journal, at most ``JOURNAL_BYTES`` of the
+        latest lines — a restarted reader loads what was written lately), and the cursor to pass next time. Lines of
+        a journal that was replaced since the last call after that call are missed (a hint: those entries are read
+        from the folder when a request needs them)."""
         journal = self.root / JOURNAL_FILE
         try:
             with open(journal, "rb") as handle:
                 stat = os.fstat(handle.fileno())
-                if cursor is None:
-                    return [], (stat.st_ino, stat.st_size)
-                offset = cursor[1] if cursor[0] == stat.st_ino and cursor[1] <= stat.st_size else 0
+                offset = cursor[1] if cursor is not None and cursor[0] == stat.st_ino and cursor[1] <= stat.st_size \
+                    else 0
                 handle.seek(offset)
                 data = handle.read()
-        except FileNotFoundError:
-            return [], cursor if cursor is not None else (0, 0)
-        except OSError:
+        except OSError:  # none yet (most often): what comes is read from its start
             return [], cursor
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         paths = []
         for line in data[:end].decode("utf-8", "replace").splitlines():
-            rel = Path(line)
-            if line and not rel.is_absolute() and ".." not in rel.parts:  # entries inside the store only
+            rel = Path(line)  # entries inside the store only
+            if rel.parts[:1] == ("entries",) and ".." not in rel.parts and "\x00" not in line:
                 paths.append(self.root / rel)
         return paths, (stat.st_ino, offset + end)
 
@@ -451,11 +455,14 @@ class KVStore:
 
         def entry(path: Path, identity__: str, block: list[int] | None):
             got = hot(path) if hot is not None and mapped else None
-            if got is None:
+            if got is None or (block is not None and got["ids"].tolist() != block):  # (not that block: the folder's)
                 return self.get(path, identity__, block, mapped), False
-            if block is not None and got["ids"].tolist() != block:
-                return "another token block under this key", False
             return got, True
+
+        def take(got: dict[str, torch.Tensor], n: int, in_memory: bool) -> None:
+            found.parts.append((got["key"][:, :n], got["value"][:, :n], None if mapped else got["hidden"][:n],
+                                in_memory))
+            found.hot_tokens += n if in_memory else 0
 
         while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
             block = ids[start:start + bt]
@@ -466,10 +473,7 @@ class KVStore:
                 found.refused, found.reason = 1, got
             if not isinstance(got, dict):
                 break
-            take = min(bt, limit - start)  # the last block may pass the limit
-            found.parts.append((got["key"][:, :take], got["value"][:, :take],
-                                None if mapped else got["hidden"][:take], in_memory))
-            found.hot_tokens += take if in_memory else 0
+            take(got, min(bt, limit - start), in_memory)  # the last block may pass the limit
             parent, start = key, start + bt
         if not found.refused and start < limit:
             tail, in_memory = entry(self.mapped_path(parent, map_id, True), map_id, None) if mapped else \
@@ -479,8 +483,6 @@ class KVStore:
             elif tail is not None:
                 m = _shared(tail["ids"].tolist(), ids, start, limit)
                 if m:
-                    found.parts.append((tail["key"][:, :m], tail["value"][:, :m],
-                                        None if mapped else tail["hidden"][:m], in_memory))
-                    found.hot_tokens += m if in_memory else 0
+                    take(tail, m, in_memory)
         found.tokens = sum(p[0].shape[1] for p in found.parts)
         return found
