@@ -193,3 +193,6 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     paired = report["per_conversation"]["400"]  # one conversation: its own difference
     assert paired["folder_minus_warm_ms"] == conversation["folder"]["ttft_ms"] - conversation["warm"]["ttft_ms"]
     assert "Paired per conversation" in cascade_table(report) and 0 <= paired["stalled_share"] <= 1
+    # of the connector's time, the writes into the engine's cache (read from /metrics per way)
+    assert 0 < conversation["warm_write_ms"] <= conversation["warm_connector_ms"], conversation
+    assert "writing into the engine's paged cache" in cascade_table(report)

@@ -40,6 +40,7 @@ STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 HOT = "vllm:kvbridge_hot_tokens_total"
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
+WRITE_SECONDS = "vllm:kvbridge_write_seconds_total"  # of them, writing into the engine's paged cache
 
 
 @dataclass
@@ -231,15 +232,16 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                                              "remap": "source"}.get(way, False),
                           "kvbridge_native_rest": 0 if way == "whole" else native_rest}
                 before = {m: await asyncio.to_thread(metric, target_url, m)
-                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS)}
+                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS, WRITE_SECONDS)}
                 # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
                 # the others keep their own so that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens, _ = await _turn(target, target_model, messages, new_tokens, params,
                                                  salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
                 # streamed responses carry no kv_transfer_params: the server's counters say what the connector did
-                row[f"{way}_connector_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, MAP_SECONDS)
-                                                     - before[MAP_SECONDS])
+                for name, counter in (("connector", MAP_SECONDS), ("write", WRITE_SECONDS)):
+                    row[f"{way}_{name}_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, counter)
+                                                      - before[counter])
                 if way == "native":  # the same request again: the history is in the target's prefix cache
                     row["cached_ms"] = (await _turn(target, target_model, messages, new_tokens, params,
                                                     f"{salt}-native"))[0]
@@ -363,7 +365,8 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"), **_source_cost(results)))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
                        {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens")} |
-                       {f"{w}_connector_ms": r[f"{w}_connector_ms"] for w in WAYS if w != "native"} |
+                       {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in WAYS if w != "native"
+                        for name in ("connector", "write")} |
                        ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
                        for r in results]
     report = {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
@@ -391,7 +394,8 @@ def per_conversation(report: dict) -> dict:
     """Figures over a report's conversations, per history length: the folder way's TTFT minus warm's, paired per
     conversation (median and its 95 % bootstrap interval; files from before the folder way have none), and the
     stalls — turns of the short ways and the ceiling that took more than twice their way's median: their share,
-    pooled, and the most any took beyond its median."""
+    pooled, and the most any took beyond its median; the connector's median time writing into the engine's cache per
+    way (reports from before have none)."""
     out = {}
     for h, rows in report["conversations"].items():
         entry = {}
@@ -406,6 +410,10 @@ def per_conversation(report: dict) -> dict:
             over = [t - median for t in times if t > 2 * median]
             stalled, turns, excess = stalled + len(over), turns + len(times), max([excess] + over)
         entry["stalled_share"], entry["stall_max_ms"] = (stalled / turns if turns else 0.0), excess
+        writes = {w: statistics.median(r[f"{w}_write_ms"] for r in rows) for w in WAYS
+                  if rows and f"{w}_write_ms" in rows[0]}
+        if writes:
+            entry["write_ms"] = writes
         out[h] = entry
     return out
 
@@ -441,6 +449,11 @@ def cascade_table(report: dict) -> str:
     lines += ["", "Stalls (turns of the short ways and the ceiling over twice their way's median): "
               + "; ".join(f"history {h} {e['stalled_share']:.0%} of them, up to {e['stall_max_ms']:.0f} ms "
                           "over the median" for h, e in extra.items())]
+    writes = {h: e["write_ms"] for h, e in extra.items() if "write_ms" in e}
+    if writes:
+        lines += ["", "Of the connector's time, writing into the engine's paged cache (its own cache-update op; "
+                  "median): " + "; ".join(f"history {h} " + ", ".join(f"{w} {ms:.1f} ms" for w, ms in e.items())
+                              for h, e in writes.items())]
     measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]
     if measured:
         lines += ["", "The source's own turns, served storing its K/V (and mapping them ahead, if on) vs. without a "

@@ -89,9 +89,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``), map time, prefix tokens
     read from the store, why a store entry was refused (None: none was), and prefix tokens whose target K/V the
-    source engine had mapped ahead (of them, read from the connector's memory)."""
+    source engine had mapped ahead (of them, read from the connector's memory), and of the map time, the writes into
+    the engine's paged cache."""
 
-    outcomes: dict[str, tuple[str, float, int, str | None, int, int]] = field(default_factory=dict)
+    outcomes: dict[str, tuple[str, float, int, str | None, int, int, float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
@@ -99,7 +100,8 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
             if rid in merged and merged[rid][0] == "mapped" and outcome[0] != "mapped":
                 merged[rid] = outcome  # one worker's failure makes the request's load a failure
             elif rid in merged and merged[rid][0] == outcome[0] == "mapped":  # each worker has its own memory tier:
-                merged[rid] = merged[rid][:5] + (min(merged[rid][5], outcome[5]),)  # what all of them read there
+                # what all of them read there; the slowest worker's writes
+                merged[rid] = merged[rid][:5] + (min(merged[rid][5], outcome[5]), max(merged[rid][6], outcome[6]))
             else:
                 merged.setdefault(rid, outcome)
         return KVBridgeWorkerMetadata(merged)
@@ -115,7 +117,7 @@ class KVBridgeStats(KVConnectorStats):
             self.reset()
 
     def reset(self):
-        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, **{c: 0 for c in COUNTS}}
+        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, "write_ms": 0.0, **{c: 0 for c in COUNTS}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -124,6 +126,7 @@ class KVBridgeStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1),
+                "write_ms": round(self.data.get("write_ms", 0.0), 1),
                 **{c: self.data.get(c, 0) for c in COUNTS}}
 
     def is_empty(self) -> bool:
@@ -131,7 +134,8 @@ class KVBridgeStats(KVConnectorStats):
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
-    """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total``,
+    """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total`` (of it
+    ``vllm:kvbridge_write_seconds_total``, the cache writes),
     ``vllm:kvbridge_stored_tokens_total``, ``vllm:kvbridge_premapped_tokens_total``,
     ``vllm:kvbridge_hot_tokens_total`` and ``vllm:kvbridge_store_refused_total``."""
 
@@ -141,11 +145,15 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                      "(mapped, native, short, fallback)", labelnames=[*labelnames, "outcome"])
         seconds = self._counter_cls(name="vllm:kvbridge_map_seconds", documentation="time the kvbridge connector "
                                     "spent building mapped caches", labelnames=labelnames)
+        writes = self._counter_cls(name="vllm:kvbridge_write_seconds", documentation="of that time, writing the "
+                                   "mapped K/V into the engine's paged cache (its own cache-update op)",
+                                   labelnames=labelnames)
         counters = {c: self._counter_cls(name=f"vllm:kvbridge_{c}", documentation=doc, labelnames=labelnames)
                     for c, doc in COUNTS.items()}
         self._requests = {(e, s): requests.labels(*values, s) for e, values in per_engine_labelvalues.items()
                           for s in STATUSES}
         self._seconds = {e: seconds.labels(*values) for e, values in per_engine_labelvalues.items()}
+        self._writes = {e: writes.labels(*values) for e, values in per_engine_labelvalues.items()}
         self._counts = {(e, c): counter.labels(*values) for e, values in per_engine_labelvalues.items()
                         for c, counter in counters.items()}
 
@@ -155,6 +163,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 self._requests[(engine_idx, status)].inc(transfer_stats_data[status])
         if transfer_stats_data.get("map_ms"):
             self._seconds[engine_idx].inc(transfer_stats_data["map_ms"] / 1000)
+        if transfer_stats_data.get("write_ms"):
+            self._writes[engine_idx].inc(transfer_stats_data["write_ms"] / 1000)
         for c in COUNTS:
             if transfer_stats_data.get(c):
                 self._counts[(engine_idx, c)].inc(transfer_stats_data[c])
@@ -236,7 +246,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # request id -> (outcome, tokens to load, end of the mapped prefix): asked, not yet allocated
         self._decided: dict[str, tuple[str, int, int]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
-        self._map_ms: dict[str, float] = {}
+        self._map_ms: dict[str, tuple[float, float]] = {}  # request id -> (map ms, of them cache writes)
         # request id -> prefix tokens from the store, mapped ahead, of them read from memory
         self._stored: dict[str, tuple[int, int, int]] = {}
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
@@ -247,7 +257,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._layers: list[tuple[int, Any]] | None = None
         self._heads = slice(None)  # this worker's KV heads of the target (its tensor-parallel share)
         self._failed_blocks: set[int] = set()
-        self._outcomes: dict[str, tuple[str, float, int, str | None, int, int]] = {}
+        self._outcomes: dict[str, tuple[str, float, int, str | None, int, int, float]] = {}
         self._store = None  # the source engine's KV store, once it exists
         self._hot = None  # its blocks mapped ahead by this map, in memory (kvbridge.serving.hot)
         self._clock = None  # when the engine's steps run (the prefetch waits for a quiet spell)
@@ -418,9 +428,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         for load in meta.loads:
             started = time.perf_counter()
-            stored, refused, premapped, hot = 0, None, 0, 0
+            stored, refused, premapped, hot, write_ms = 0, None, 0, 0, 0.0
             try:
-                stored, refused, premapped, hot = self._write(forward_context, load)
+                stored, refused, premapped, hot, write_ms = self._write(forward_context, load)
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -431,25 +441,29 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 logger.warning("kvbridge connector: request %s: a store entry was refused (%s); what it held was "
                                "computed instead", load.request_id, refused)
             self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused,
-                                               premapped, hot)
+                                               premapped, hot, write_ms)
 
-    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int, int]:
+    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int, int, float]:
         layers = self._attention_layers(forward_context)
         segments, stored, refused, premapped, hot = self.map_prompt(load.token_ids[:load.end], load.salt,
                                                                     load.use_store)
+        pos = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
+        every = blocks[pos // self.block_size] * self.block_size + pos % self.block_size  # slot of each position
+        caches = [(layer, layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache)
+                  for _, layer in layers]
+        every = every.to(caches[0][1].device)
+        started = time.perf_counter()
         for first, keys, values in segments:  # positions [first, first + t) each: written where they are loaded
             lo, hi = max(first, load.start), min(first + keys[0].shape[0], load.end)
             if lo >= hi:
                 continue
-            pos = torch.arange(lo, hi)
-            slots = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-            for index, layer in layers:
-                kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+            slots = every[lo - load.start:hi - load.start]
+            for (index, _), (layer, kv_cache) in zip(layers, caches):
                 k, v = (x[lo - first:hi - first, self._heads].to(kv_cache.device, kv_cache.dtype).contiguous()
                         for x in (keys[index], values[index]))
-                layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots.to(kv_cache.device))
-        return stored, refused, premapped, hot
+                layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
+        return stored, refused, premapped, hot, 1000 * (time.perf_counter() - started)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if self._clock is not None:
@@ -573,15 +587,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        for rid, (status, ms, stored, refused, premapped, hot) in getattr(meta, "outcomes", {}).items():
+        for rid, (status, ms, stored, refused, premapped, hot, write_ms) in getattr(meta, "outcomes", {}).items():
             self._stats.data["map_ms"] += ms
+            self._stats.data["write_ms"] += write_ms
             self._stats.data["stored_tokens"] += stored
             self._stats.data["premapped_tokens"] += premapped
             self._stats.data["hot_tokens"] += hot
             self._stats.data["store_refused"] += int(refused is not None)
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
-                self._map_ms[rid] = ms
+                self._map_ms[rid] = (ms, write_ms)
                 self._stored[rid] = (stored, premapped, hot)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -600,7 +615,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 params["kvbridge_stored_tokens"], params["kvbridge_premapped_tokens"], \
                     params["kvbridge_hot_tokens"] = stored
         if ms is not None:
-            params["kvbridge_map_ms"] = round(ms, 2)
+            params["kvbridge_map_ms"], params["kvbridge_write_ms"] = round(ms[0], 2), round(ms[1], 2)
         return False, params
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

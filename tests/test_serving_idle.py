@@ -1,0 +1,48 @@
+"""Background work beside an engine (kvbridge.serving.idle): waiting for a quiet spell, one OpenMP thread."""
+
+from __future__ import annotations
+
+import time
+
+
+def test_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
+    """Background work (the source engine writing and mapping ahead, the target prefetching) never competes with the
+    engine's own steps: a piece of it waits until no step ran for IDLE_S (at most DEFER_S after it was queued, not
+    at all once its queue backs up), and the threads' torch work runs on one OpenMP thread of their own, leaving the
+    engine's setting as it was."""
+    import threading
+
+    import torch
+
+    from kvbridge.serving import idle
+
+    clock = idle.StepClock()
+    calm = lambda: False  # noqa: E731  (no backlog)
+    start = time.monotonic()
+    clock.wait(start, calm)
+    assert time.monotonic() - start < 0.5  # idle: at once (not after a step, nor DEFER_S later)
+    clock.begin()
+    threading.Timer(0.15, clock.end).start()
+    start = time.monotonic()
+    clock.wait(start, calm)
+    assert time.monotonic() - start >= 0.15 + idle.IDLE_S * 0.9  # after the step, and a quiet spell
+    clock.begin()  # a step that does not end: the block goes DEFER_S after queueing
+    start = time.monotonic()
+    clock.wait(start - idle.DEFER_S + 0.1, calm)
+    assert 0.09 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    clock.wait(start, lambda: True)  # its queue backs up: at once, step or not
+    assert time.monotonic() - start < 0.5
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that one thread is a change (the suite may run with one)
+    try:
+        seen = []
+        for limit in (True, False):  # a thread that limits itself, and one that does not
+            thread = threading.Thread(target=lambda limit=limit: (limit and idle.single_threaded(),
+                                                                  seen.append(torch.get_num_threads())))
+            thread.start()
+            thread.join()
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
