@@ -7,19 +7,18 @@ escalates to the target (same messages, the servers apply the chat template), th
 conversation's blocks in the store and maps them — the source does not prefill them again — then the target
 computes the new turn and the held-back tokens itself, over them, and answers.
 
-``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns
-the source answers, then an escalated third turn sent to the target six ways, one after another and in rotating
-order — native (the target re-prefills the whole history), warm (the stored history read as mapped ahead unless
-``--no-map-ahead``, from the target connector's memory where it loaded them, the new turn computed by the target:
-``kvbridge_native_rest``), warm from the folder (as warm, the blocks mapped ahead read from the store's folder:
-``kvbridge_store: "folder"``), warm with every token mapped
-(the source prefills the new turn for the mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at
-the switch (as warm, the stored source K/V mapped when the turn arrives, blocks mapped ahead ignored:
-``kvbridge_store: "source"``) and cold (mapped from a fresh source prefill inside the connector, ``kvbridge_store:
-false``) — each on a stored copy of its own of the conversation, with each request's time to its first streamed
-token, and the escalated answers compared token by token. The native request sent again finds the whole history
-in the target's own prefix cache: the time to first token of a switch whose K/V cost nothing to bring — the
-ceiling any transfer can reach in this engine.
+``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns the
+source answers, then an escalated third turn sent to the target six ways, one after another in a random order of
+each conversation's own — native (the target re-prefills the whole history), warm (the stored history read as mapped
+ahead unless ``--no-map-ahead``, from the target connector's memory where it loaded them, the new turn computed by
+the target: ``kvbridge_native_rest``), warm from the folder (as warm, the blocks mapped ahead read from the store's
+folder: ``kvbridge_store: "folder"``), warm with every token mapped (the source prefills the new turn for the
+mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at the switch (as warm, the stored source K/V
+mapped when the turn arrives, blocks mapped ahead ignored: ``kvbridge_store: "source"``) and cold (mapped from a
+fresh source prefill inside the connector, ``kvbridge_store: false``) — each on a stored copy of its own of the
+conversation, with each request's time to its first streamed token, and the escalated answers compared token by
+token. The native request sent again finds the whole history in the target's own prefix cache: the time to first
+token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this engine.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -199,7 +199,7 @@ async def _source_turn(source, source_model, baseline, baseline_model, messages,
 async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, native_rest,
                        progress, baseline_url=None, baseline_model=None):
     """Per conversation: the source's two turns (to the baseline too, if any), then the escalated turn each way
-    (rotating order)."""
+    (a seeded random order per conversation)."""
     from openai import AsyncOpenAI
 
     def client(url):
@@ -224,7 +224,9 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
             # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
             await asyncio.sleep(SETTLE_S)
-            ways = WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]  # rotating order: drift and caches hit every way alike
+            # an order of its own per conversation (seeded): drift, caches and the stalls of a shared machine hit every
+            # way alike, and no way always follows the same one (a rotation keeps warm right after native)
+            ways = random.Random(i).sample(WAYS, len(WAYS))
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped",
@@ -379,8 +381,6 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
 
 def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 95 % bootstrap interval of the median of ``values`` (resampled with a fixed seed)."""
-    import random
-
     from ..evaluate import percentile_interval
 
     rng = random.Random(seed)

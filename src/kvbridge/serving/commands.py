@@ -452,9 +452,10 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                     "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
                     "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
                     "turn mapped too (a native rest of 0), mapped at the switch "
-                    "(warm, blocks mapped ahead ignored) and cold (mapped from a fresh source prefill) — in "
-                    "rotating order, then native again (a hit in the target's own prefix cache: the ceiling of any "
-                    "transfer); median time to the first streamed token of each, and the escalated "
+                    "(warm, blocks mapped ahead ignored) and cold (mapped from a fresh source prefill) — in a "
+                    "random order of each conversation's own, native sent again right after native (a hit in the "
+                    "target's own prefix cache: the ceiling of any transfer); median time to the first streamed "
+                    "token of each, and the escalated "
                     "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
                     "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
                     "running ones (--source-url, --target-url).")
