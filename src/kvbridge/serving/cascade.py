@@ -345,7 +345,6 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
         def connector(way: str) -> float:
             return statistics.median(r[f"{way}_connector_ms"] for r in results)
 
-
         rows.append(CascadeRow(
             history_tokens=int(statistics.median(lengths)), conversations=n,
             native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .idle import StepClock, single_threaded
-from .store import all_finite
+from .store import all_finite, mapped_suffix
 
 POLL_S = 0.05  # how often the journal is read
 DEFAULT_CAP = 1 << 30  # 1 GiB of mapped blocks in memory
@@ -52,7 +52,7 @@ class HotEntries:
         self.store, self.map_id, self.cap_bytes = store, map_id, cap_bytes
         self.clock = clock or StepClock()
         self.logger = logger
-        self.suffix = f".{map_id[:16]}.mapped.safetensors"
+        self.suffix = mapped_suffix(map_id)
         self._entries: OrderedDict[Path, dict[str, torch.Tensor]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()

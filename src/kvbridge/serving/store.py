@@ -112,6 +112,11 @@ def _sections(data) -> tuple[dict, memoryview]:
     return json.loads(bytes(view[8:8 + n])), view[8 + n:]
 
 
+def mapped_suffix(map_id: str) -> str:
+    """How the file names of ``map_id``'s mapped entries end."""
+    return f".{map_id[:16]}.mapped.safetensors"
+
+
 def all_finite(tensors) -> bool:
     """No NaN or Inf in any of ``tensors`` (one sum each: NaN and Inf survive a sum)."""
     return all(math.isfinite(t.sum(dtype=torch.float32)) for t in tensors)
@@ -127,17 +132,16 @@ def _shared(stored: list[int], ids: list[int], start: int, limit: int) -> int:
 
 @dataclass
 class Found:
-    """The longest stored prefix of a prompt: ``tokens`` of it, as the entries' blocks (``parts``: per block its keys
-    and values (L, t, H, D), hidden states (t, S; None for mapped entries) and whether it came from memory
+    """The longest stored prefix of a prompt: ``tokens`` of it, as the entries' blocks (``parts``: per block its
+    keys and values (L, t, H, D), hidden states (t, S; None for mapped entries) and whether it came from memory
     (:mod:`kvbridge.serving.hot`: verified when it was loaded)); per-layer ``keys`` and ``values`` (1, H, tokens, D)
-    and ``hidden`` (1, tokens, S) assembled from them when first read; ``hot_tokens`` of them read from memory;
-    ``refused``: entries skipped (another identity, torn, corrupted), with the reason of the first."""
+    and ``hidden`` (1, tokens, S) assembled from them when first read; ``refused``: entries skipped (another
+    identity, torn, corrupted), with the reason of the first."""
 
     tokens: int
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = field(default_factory=list)
     refused: int = 0
     reason: str | None = None
-    hot_tokens: int = 0
 
     def _layers(self, index: int) -> list[torch.Tensor] | None:
         if not self.parts:
@@ -152,6 +156,11 @@ class Found:
             hot += max(0, min(keys.shape[1], n - start)) if in_memory else 0
             start += keys.shape[1]
         return hot
+
+    @property
+    def hot_tokens(self) -> int:
+        """How many of its tokens came from memory."""
+        return self.hot_within(self.tokens)
 
     @cached_property
     def keys(self) -> list[torch.Tensor] | None:
@@ -302,7 +311,7 @@ class KVStore:
 
     def mapped_path(self, key: str, map_id: str, tail: bool = False) -> Path:
         """A block's mapped entry (``key``: the block's; for a tail, its parent's) beside its source entry."""
-        return self.root / "entries" / key[:2] / f"{key}{'.tail' if tail else ''}.{map_id[:16]}.mapped.safetensors"
+        return self.root / "entries" / key[:2] / f"{key}{'.tail' if tail else ''}{mapped_suffix(map_id)}"
 
     def _grew(self, nbytes: int) -> None:
         with self._lock:
@@ -462,7 +471,6 @@ class KVStore:
         def take(got: dict[str, torch.Tensor], n: int, in_memory: bool) -> None:
             found.parts.append((got["key"][:, :n], got["value"][:, :n], None if mapped else got["hidden"][:n],
                                 in_memory))
-            found.hot_tokens += n if in_memory else 0
 
         while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
             block = ids[start:start + bt]
