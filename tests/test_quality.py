@@ -45,13 +45,45 @@ def test_diagnose_oracle_writes_rows_and_plot(bridge, tmp_path, capsys):
     out = tmp_path / "diag"
     assert main(["diagnose", "--source", family.source_path(), "--target", family.target_path(), "--mapper",
                  str(mapper), "--texts", str(texts), "--items", "4", "--seq-len", "128", "--out", str(out),
-                 "--oracle"]) == 0
+                 "--oracle", "--oracle-window", "4"]) == 0
     rows = json.loads((out / "diagnostics.json").read_text())["oracle"]["rows"]
-    assert len(rows) == 1 + 4 * 3
-    assert ({tuple(sorted(r)) for r in rows[1:]}
+    assert len(rows) == 1 + 4 * 3 + 4
+    assert ({tuple(sorted(r)) for r in rows[1:-4]}
             == {("kind", "mean_floor_normalized_retention", "target_layer", "tasks")})
+    assert [(r["target_layer"], r["kind"], r["window"]) for r in rows[-4:]] == [(i, "both", 4) for i in range(4)]
     assert (out / "oracle.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Target layer made native" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Target layer made native" in printed and "both, window 4" in printed
+
+
+def test_a_windowed_forward_sees_the_window_only(pair):
+    from kvbridge.diagnose import windowed_kv
+    from kvbridge.models import cache_kv, prefill
+
+    target = pair[1].model
+    ids = torch.randint(10, 4000, (2, 96))
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0  # a left-padded row
+    nk, nv = cache_kv(prefill(target, ids, mask, logits="none")[0])
+    wide_k, wide_v = windowed_kv(target, ids, mask, 96)
+    for a, b in zip(wide_k + wide_v, nk + nv):  # a window over the whole row is the plain causal forward
+        torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a[1, :, 20:], b[1, :, 20:], rtol=1e-4, atol=1e-4)
+    one_k, one_v = windowed_kv(target, ids, mask, 1)
+    torch.testing.assert_close(one_k[0], nk[0], rtol=1e-4, atol=1e-4)  # layer 0's K/V read the token alone
+    torch.testing.assert_close(one_v[0], nv[0], rtol=1e-4, atol=1e-4)
+    assert (one_k[1] - nk[1]).abs().amax() > 1e-2  # layer 1's read what layer 0 attended to
+
+
+def test_diagnose_refuses_a_window_without_the_oracle(tmp_path, capsys):
+    texts = tmp_path / "held.jsonl"
+    texts.write_text(json.dumps({"text": "x = 1\n" * 200}) + "\n")
+    assert main(["diagnose", "--family", "default", "--mapper", family.mapper_path(), "--texts", str(texts),
+                 "--out", str(tmp_path / "d"), "--oracle-window", "8"]) != 0
+    assert "pass --oracle too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["diagnose", "--family", "default", "--mapper", family.mapper_path(), "--texts", str(texts), "--oracle",
+              "--oracle-window", "0"])
 
 
 def _zero_mapper(bridge):

@@ -52,6 +52,14 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _windows(text: str) -> tuple[int, ...]:
+    """Attention windows in tokens (--oracle-window), each at least 1."""
+    values = _int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"an attention window is at least 1 token, not {text!r}")
+    return values
+
+
 def _layer_count(text: str) -> int | None:
     """A count of source layers, or ``all`` (None)."""
     if text.strip().lower() == "all":
@@ -371,6 +379,9 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("--oracle", action="store_true",
                     help="also measure, per target layer and kind (key, value, both), the mean floor-normalized "
                          "retention on the family tasks when that layer's native K/V replace the mapped ones")
+    dg.add_argument("--oracle-window", type=_windows, default=(), metavar="W[,W...]",
+                    help="with --oracle, also each layer's K/V from the target's own forward with attention limited "
+                         "to the last W tokens, e.g. 8,32: does the layer need nearby tokens or the whole prefix?")
 
     ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
     ins.add_argument("mapper", help="mapper folder or hub id")
@@ -699,13 +710,15 @@ def _cmd_eval(args) -> int:
 def _cmd_diagnose(args) -> int:
     import json
 
-    from .diagnose import diagnose, oracle, plot_diagnostics
+    from .diagnose import diagnose, oracle, oracle_cell, plot_diagnostics
     from .texts import read_texts
 
     texts = read_texts(args.texts)
     if args.items < 4 or args.seq_len < 128:
         raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 "
                             "(the recall task places spans 64+ tokens apart).")
+    if args.oracle_window and not args.oracle:
+        raise KVBridgeError("--oracle-window adds rows to the oracle; pass --oracle too.")
     check_output_dir(args.out)
     _require("matplotlib", "plot", "kvbridge diagnose (its plots)")
     bridge = _bridge(args)
@@ -714,7 +727,7 @@ def _cmd_diagnose(args) -> int:
                             f"support; pass at most {bridge.max_positions}.")
     report = diagnose(bridge, texts, args.items, args.seq_len)
     if args.oracle:
-        report["oracle"] = oracle(bridge, texts, args.items, args.seq_len)
+        report["oracle"] = oracle(bridge, texts, args.items, args.seq_len, windows=args.oracle_window)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "diagnostics.json", json.dumps(report, indent=2) + "\n")
@@ -722,11 +735,12 @@ def _cmd_diagnose(args) -> int:
     if args.oracle:
         rows = report["oracle"]["rows"]
         print(f"plain map: mean floor-normalized retention {100 * rows[0]['mean_floor_normalized_retention']:.1f}%")
-        print("| Target layer made native | keys | values | both |\n|---:|---:|---:|---:|")
+        windows = args.oracle_window
+        print("| Target layer made native | keys | values | both | " + "".join(f"both, window {w} | " for w in windows)
+              + "\n|---:|---:|---:|---:|" + "---:|" * len(windows))
         for layer in range(bridge.target.info.num_layers):
-            cells = [100 * next(r["mean_floor_normalized_retention"] for r in rows
-                                if r["target_layer"] == layer and r["kind"] == kind)
-                     for kind in ("key", "value", "both")]
+            cells = ([100 * oracle_cell(rows, layer, kind) for kind in ("key", "value", "both")]
+                     + [100 * oracle_cell(rows, layer, "both", w) for w in windows])
             print(f"| {layer} | " + " | ".join(f"{c:.1f}%" for c in cells) + " |")
         print()
     print("| Target layer | R² keys | R² values | Attention-output cosine |")

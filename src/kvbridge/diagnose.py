@@ -13,6 +13,10 @@ Letters: B batch, T tokens, H query heads, Hkv kv heads, D head dim, L target la
 * **Oracle** (``--oracle``): for each target layer and kind (key, value, both), the mean
   floor-normalized retention on the family tasks when that layer's native K/V replace the mapped
   ones. Where the retention jumps, the map loses quality; that is where levers should go.
+* **Windowed oracle** (``--oracle-window W``): the same, each layer's K/V taken from the target's own forward
+  with every layer's attention limited to the last ``W`` tokens (a banded causal mask). It says what a layer that
+  loses quality needs: if a short window recovers it, its K/V are a function of nearby tokens (which the target
+  itself could compute over a window, or a map could learn from them); if not, they carry long-range context.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 from .evaluate import family_tasks, heldout_rows, mean_retention
 from .fit import heldout_r2
-from .models import attention_queries, cache_kv, make_cache, positions_from_mask, prefill
+from .models import attention_queries, cache_kv, cache_of, make_cache, positions_from_mask, prefill
 from .outputs import save_figure
 from .rope import rotary_factors
 from .transfer import Bridge
@@ -79,18 +83,47 @@ def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> 
     return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
 
 
-class OracleBridge(Bridge):
-    """A bridge whose mapped cache takes the chosen layers' keys and/or values from the target's own prefill."""
+def banded_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, 1, T, T) additive attention mask: causal, over real tokens only, and each query sees the last ``window``
+    positions (itself included). ``mask``: (B, T) of 1 for real tokens, 0 for (left) padding."""
+    t = mask.shape[1]
+    i = torch.arange(t, device=mask.device)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # (T, T): key j visible to query i
+    visible = band[None] & mask.bool()[:, None, :]  # (B, T, T)
+    visible |= torch.eye(t, dtype=torch.bool, device=mask.device)[None]  # a padded query still sees itself
+    return torch.zeros(visible.shape, dtype=torch.float32, device=mask.device).masked_fill(
+        ~visible, torch.finfo(torch.float32).min)[:, None]
 
-    def __init__(self, bridge: Bridge, native: dict[int, str]):
+
+@torch.no_grad()
+def windowed_kv(model, ids: torch.Tensor, mask: torch.Tensor, window: int):
+    """Per-layer (B, H, T, D) keys and values of ``model``'s forward with attention limited to ``window`` tokens."""
+    positions = positions_from_mask(mask)
+    device = next(model.parameters()).device
+    out = model.get_decoder()(input_ids=ids.to(device), attention_mask=banded_mask(mask, window).to(device),
+                              position_ids=positions.to(device), use_cache=True)
+    return cache_kv(cache_of(out))
+
+
+class OracleBridge(Bridge):
+    """A bridge whose mapped cache takes the chosen layers' keys and/or values from the target's own prefill
+    (``window``: a prefill whose attention sees only the last ``window`` tokens)."""
+
+    def __init__(self, bridge: Bridge, native: dict[int, str], window: int | None = None):
         self.__dict__.update(bridge.__dict__)
         if any(kind not in ("key", "value", "both") for kind in native.values()):
             raise ValueError("oracle kinds are key, value or both")
+        if window is not None and window < 1:
+            raise ValueError("an oracle window is at least one token")
         self.native = native  # target layer → "key" | "value" | "both"
+        self.window = window
 
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
         mk, mv = cache_kv(super().mapped_cache(ids, mask))  # always complete: nothing is left owing
-        nk, nv = cache_kv(prefill(self.target.model, ids, mask, logits="none")[0])
+        if self.window is None:
+            nk, nv = cache_kv(prefill(self.target.model, ids, mask, logits="none")[0])
+        else:
+            nk, nv = windowed_kv(self.target.model, ids, mask, self.window)
         for layer, kind in self.native.items():
             if kind in ("key", "both"):
                 mk[layer] = nk[layer]
@@ -99,19 +132,30 @@ class OracleBridge(Bridge):
         return make_cache(self.target.model, mk, mv)
 
 
-def oracle(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256, progress: bool = True) -> dict:
+def oracle(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256, progress: bool = True,
+           windows: tuple[int, ...] = ()) -> dict:
     """Mean floor-normalized retention of the mapped cache (with the mapper's runtime options) and of each one-layer
-    oracle."""
+    oracle; with ``windows``, also each layer's K/V (both) from the target's forward over a window of that many
+    tokens (rows with a ``window``)."""
     from tqdm.auto import tqdm
 
     baseline = family_tasks(bridge, texts, items, seq_len)
     rows = [{"target_layer": None, "kind": "none", "mean_floor_normalized_retention": mean_retention(baseline)}]
-    variants = [(layer, kind) for layer in range(bridge.target.info.num_layers) for kind in ("key", "value", "both")]
-    for layer, kind in tqdm(variants, desc="oracle", disable=not progress):
-        results = family_tasks(OracleBridge(bridge, {layer: kind}), texts, items, seq_len, reference=baseline)
+    layers = range(bridge.target.info.num_layers)
+    variants = ([(layer, kind, None) for layer in layers for kind in ("key", "value", "both")]
+                + [(layer, "both", w) for w in windows for layer in layers])
+    for layer, kind, window in tqdm(variants, desc="oracle", disable=not progress):
+        results = family_tasks(OracleBridge(bridge, {layer: kind}, window), texts, items, seq_len, reference=baseline)
         rows.append({"target_layer": layer, "kind": kind, "mean_floor_normalized_retention": mean_retention(results),
-                     "tasks": {r.task: r.floor_normalized_retention for r in results}})
+                     "tasks": {r.task: r.floor_normalized_retention for r in results}}
+                    | ({} if window is None else {"window": window}))
     return {"items": items, "seq_len": seq_len, "baseline": [r.to_dict() for r in baseline], "rows": rows}
+
+
+def oracle_cell(rows: list[dict], layer: int, kind: str, window: int | None = None) -> float:
+    """The mean floor-normalized retention of one oracle row (``window``: a windowed row)."""
+    return next(r["mean_floor_normalized_retention"] for r in rows
+                if r["target_layer"] == layer and r["kind"] == kind and r.get("window") == window)
 
 
 def diagnose(bridge: Bridge, texts: list[str], items: int = 16, seq_len: int = 256) -> dict:
@@ -148,11 +192,14 @@ def plot_diagnostics(report: dict, out_dir) -> list[str]:
     if "oracle" in report:
         rows = report["oracle"]["rows"]
         layers = sorted({r["target_layer"] for r in rows if r["target_layer"] is not None})
-        fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.5 + 2), 3.4))
-        for i, kind in enumerate(("key", "value", "both")):
-            values = [100 * next(r["mean_floor_normalized_retention"] for r in rows
-                                 if r["target_layer"] == layer and r["kind"] == kind) for layer in layers]
-            ax.bar([layer + (i - 1) * 0.27 for layer in layers], values, width=0.27, label=f"native {kind}")
+        windows = sorted({r["window"] for r in rows if "window" in r})
+        bars = [(kind, None, f"native {kind}") for kind in ("key", "value", "both")]
+        bars += [("both", w, f"both, window {w}") for w in windows]
+        width = 0.8 / len(bars)
+        fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.17 * len(bars) + 2), 3.4))
+        for i, (kind, window, label) in enumerate(bars):
+            values = [100 * oracle_cell(rows, layer, kind, window) for layer in layers]
+            ax.bar([layer + (i - (len(bars) - 1) / 2) * width for layer in layers], values, width=width, label=label)
         ax.axhline(100 * rows[0]["mean_floor_normalized_retention"], color="black", lw=1, ls="--",
                    label="mapped, no layer native")
         ax.set(xlabel="target layer made native", ylabel="mean floor-normalized retention (%)",
