@@ -50,6 +50,7 @@ def test_lookup_full_blocks_then_the_tail_that_matches(tmp_path):
     keys, values, hidden = fill(store, ids)
     found = store.lookup(chain_seed(ME, None), ME, ids + [7, 7, 7], 100)
     assert found.tokens == 19 and found.refused == 0
+    assert found.chain == chain(chain_seed(ME, None), ids, BT)  # the full blocks' keys, walked once
     assert torch.equal(found.keys[1][0].transpose(0, 1), keys[1]) and torch.equal(found.hidden[0], hidden)
     assert store.lookup(chain_seed(ME, None), ME, ids[:17] + [0, 0], 100).tokens == 17  # the tail's shared part
     assert store.lookup(chain_seed(ME, None), ME, ids, 12).tokens == 12  # never past the limit

@@ -380,7 +380,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
-                    from .store import all_finite, chain, chain_seed
+                    from .store import all_finite, chain_seed
 
                     seed, ahead = chain_seed(self._identity, salt), None
                     if use_store in (True, "folder"):  # the blocks mapped ahead, read once ("source": ignored)
@@ -396,7 +396,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                             # the map's output is all this map needs: the source's entries are not read, only
                             # marked used (the scheduler counts them: they must not be evicted first), off the
                             # request's path where the prefetch thread runs
-                            keys = chain(seed, token_ids, store.block_tokens)
+                            keys = ahead.chain  # (every full block was found: the prompt's whole chain)
                             (self._hot.later if self._hot is not None else lambda job: job())(
                                 lambda: store.touch(keys, self._map_id))
                             segments, start = [], 0

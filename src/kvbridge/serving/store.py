@@ -136,10 +136,12 @@ class Found:
     keys and values (L, t, H, D), hidden states (t, S; None for mapped entries) and whether it came from memory
     (:mod:`kvbridge.serving.hot`: verified when it was loaded)); per-layer ``keys`` and ``values`` (1, H, tokens, D)
     and ``hidden`` (1, tokens, S) assembled from them when first read; ``refused``: entries skipped (another
-    identity, torn, corrupted), with the reason of the first."""
+    identity, torn, corrupted), with the reason of the first; ``chain``: the keys of the full blocks found (a
+    caller that marks them used need not hash the prompt again)."""
 
     tokens: int
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = field(default_factory=list)
+    chain: list[str] = field(default_factory=list)
     refused: int = 0
     reason: str | None = None
 
@@ -482,6 +484,7 @@ class KVStore:
             if not isinstance(got, dict):
                 break
             take(got, min(bt, limit - start), in_memory)  # the last block may pass the limit
+            found.chain.append(key)
             parent, start = key, start + bt
         if not found.refused and start < limit:
             tail, in_memory = entry(self.mapped_path(parent, map_id, True), map_id, None) if mapped else \
