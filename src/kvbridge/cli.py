@@ -736,7 +736,7 @@ def _cmd_diagnose(args) -> int:
         rows = report["oracle"]["rows"]
         print(f"plain map: mean floor-normalized retention {100 * rows[0]['mean_floor_normalized_retention']:.1f}%")
         windows = args.oracle_window
-        print("| Target layer made native | keys | values | both | " + "".join(f"both, window {w} | " for w in windows)
+        print("| Target layer made native | keys | values | both |" + "".join(f" both, window {w} |" for w in windows)
               + "\n|---:|---:|---:|---:|" + "---:|" * len(windows))
         for layer in range(bridge.target.info.num_layers):
             cells = ([100 * oracle_cell(rows, layer, kind) for kind in ("key", "value", "both")]
