@@ -83,25 +83,27 @@ def logit_agreement(bridge: Bridge, rows: torch.Tensor, batch_size: int = 8) -> 
     return float(torch.cat(kls).mean()), float(torch.cat(agree).mean())
 
 
-def banded_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
-    """(B, 1, T, T) additive attention mask: causal, over real tokens only, and each query sees the last ``window``
-    positions (itself included). ``mask``: (B, T) of 1 for real tokens, 0 for (left) padding."""
+def banded_mask(mask: torch.Tensor, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, 1, T, T) additive attention mask in ``dtype`` (the model's: attention adds it to its scores): causal, over
+    real tokens only, and each query sees the last ``window`` positions (itself included). ``mask``: (B, T) of 1 for
+    real tokens, 0 for (left) padding."""
     t = mask.shape[1]
     i = torch.arange(t, device=mask.device)
     band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # (T, T): key j visible to query i
     visible = band[None] & mask.bool()[:, None, :]  # (B, T, T)
     visible |= torch.eye(t, dtype=torch.bool, device=mask.device)[None]  # a padded query still sees itself
-    return torch.zeros(visible.shape, dtype=torch.float32, device=mask.device).masked_fill(
-        ~visible, torch.finfo(torch.float32).min)[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~visible, torch.finfo(dtype).min)[:, None]
 
 
 @torch.no_grad()
 def windowed_kv(model, ids: torch.Tensor, mask: torch.Tensor, window: int):
     """Per-layer (B, H, T, D) keys and values of ``model``'s forward with attention limited to ``window`` tokens."""
     positions = positions_from_mask(mask)
-    device = next(model.parameters()).device
-    out = model.get_decoder()(input_ids=ids.to(device), attention_mask=banded_mask(mask, window).to(device),
-                              position_ids=positions.to(device), use_cache=True)
+    weight = next(model.parameters())
+    out = model.get_decoder()(input_ids=ids.to(weight.device),
+                              attention_mask=banded_mask(mask, window, weight.dtype).to(weight.device),
+                              position_ids=positions.to(weight.device), use_cache=True)
     return cache_kv(cache_of(out))
 
 
