@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .evaluate import family_tasks, heldout_rows, mean_retention
 from .fit import heldout_r2
-from .models import attention_queries, cache_kv, cache_of, make_cache, positions_from_mask, prefill
+from .models import attention_queries, cache_kv, make_cache, positions_from_mask, prefill
 from .outputs import save_figure
 from .rope import rotary_factors
 from .transfer import Bridge
@@ -96,15 +96,10 @@ def banded_mask(mask: torch.Tensor, window: int, dtype: torch.dtype = torch.floa
         ~visible, torch.finfo(dtype).min)[:, None]
 
 
-@torch.no_grad()
 def windowed_kv(model, ids: torch.Tensor, mask: torch.Tensor, window: int):
     """Per-layer (B, H, T, D) keys and values of ``model``'s forward with attention limited to ``window`` tokens."""
-    positions = positions_from_mask(mask)
-    weight = next(model.parameters())
-    out = model.get_decoder()(input_ids=ids.to(weight.device),
-                              attention_mask=banded_mask(mask, window, weight.dtype).to(weight.device),
-                              position_ids=positions.to(weight.device), use_cache=True)
-    return cache_kv(cache_of(out))
+    band = banded_mask(mask, window, next(model.parameters()).dtype)
+    return cache_kv(prefill(model, ids, band, positions_from_mask(mask), logits="none")[0])
 
 
 class OracleBridge(Bridge):
