@@ -438,7 +438,7 @@ def cascade_table(report: dict) -> str:
                      f"{r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
-    extra = per_conversation(report)
+    extra = report.get("per_conversation") or per_conversation(report)  # (files from before it: computed)
     paired = {h: e for h, e in extra.items() if "folder_minus_warm_ms" in e}
     if paired:
         lines += ["", "Paired per conversation, the folder way's TTFT minus warm's (median, 95 % bootstrap interval): "
