@@ -131,3 +131,35 @@ def test_unsupported_layouts_are_refused():
     longrope.config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0}
     with pytest.raises(UnsupportedModelError, match="longrope"):
         rope_spec(longrope)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_only_prefill_equals_the_full_forward(arch):
+    """``prefill(logits="none")`` stops after the last layer stores its K/V: the cache is the full forward's, bit
+    for bit (padded rows too, and continuing a cache), the model is left as it was, and the stop really happens."""
+    from kvbridge.models import cache_of
+
+    model = tiny_model(arch, ROPES["yarn"])
+    ids = torch.randint(4, 64, (2, SEQ))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    positions = positions_from_mask(mask)
+    full = cache_of(model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True))
+    cut, _ = prefill(model, ids, mask, positions, logits="none")
+    assert len(cut.layers) == len(full.layers) == 2
+    for a, b in zip(cut.layers, full.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    first, _ = prefill(model, ids[:, :10], mask[:, :10], positions[:, :10], logits="none")
+    both, _ = prefill(model, ids[:, 10:], mask, positions[:, 10:], logits="none", cache=first)
+    assert "update" not in vars(both)  # the stop is undone: the cache updates as any other afterwards
+    for a, b in zip(both.layers, full.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+    ran = []
+    hook = model.get_decoder().norm.register_forward_hook(lambda *_: ran.append(1))
+    try:
+        prefill(model, ids, mask, positions, logits="none")
+        assert ran == []  # the final norm (after the last layer's attention and MLP) never ran
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        assert ran == [1] and torch.isfinite(out.logits).all()
+    finally:
+        hook.remove()
