@@ -7,6 +7,13 @@ sent as token ids of exactly the stated length), so no request is a prefix-cache
 and concurrency, rounds alternate native and mapped waves of ``concurrency`` simultaneous requests (warm-ups
 first, then timed rounds); each mode's median TTFT over its requests, its p90, and its decode throughput (generated
 tokens per second of wave wall time) are reported, and the speed-up is the ratio of the medians of one run.
+
+Two more figures per row say where a mapped request's time goes. The **connector**: its mean time per mapped
+request (source prefill, map, recompute, cache writes), from the server's ``vllm:kvbridge_map_seconds_total``
+around the mapped waves. The **ceiling**: right after each native wave its prompts are sent again, natively; the
+engine's prefix cache then holds every full block of them but the last (vLLM computes at least one token), so
+that wave costs the engine's own handling of a request of this length and a block or less of prefill — what no
+transfer into this engine can go below. ``native ÷ ceiling`` bounds the speed-up any connector could show here.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import KVBridgeError
+from .cascade import MAP_SECONDS, metric
 
 MODES = ("native", "mapped")
 
@@ -35,6 +43,9 @@ class EngineRow:
     native_tokens_per_s: float
     mapped_tokens_per_s: float
     requests_per_mode: int
+    ceiling_ttft_ms: float  # the native prompts again: a prefix-cache hit on all their full blocks but the last
+    ceiling_speedup: float  # native ÷ ceiling: the most any transfer could gain in this engine
+    connector_ms: float  # mean time in the connector per mapped request
 
 
 def heldout_stream(tokenizer) -> list[int]:
@@ -80,24 +91,34 @@ async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], co
     for length, pool in prompts.items():
         cursor = 0
         for conc in concurrencies:
-            ttft = {m: [] for m in MODES}
+            ttft = {m: [] for m in (*MODES, "ceiling")}
             rate = {m: [] for m in MODES}
+            connector = 0.0
             for r in range(warmup + rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # interleaved: drift hits both modes alike
-                    batch = pool[cursor:cursor + conc]
-                    cursor += conc
+                # interleaved: drift hits both modes alike; the ceiling re-sends the native wave's prompts
+                for mode in (("native", "ceiling", "mapped") if r % 2 == 0 else ("mapped", "native", "ceiling")):
+                    if mode != "ceiling":
+                        batch = pool[cursor:cursor + conc]
+                        cursor += conc
+                    if mode == "mapped":
+                        before = await asyncio.to_thread(metric, url, MAP_SECONDS)
                     t0 = time.perf_counter()
-                    done = await asyncio.gather(*(_one(client, model, ids, mode, new_tokens) for ids in batch))
+                    done = await asyncio.gather(*(_one(client, model, ids, "native" if mode == "ceiling" else mode,
+                                                       new_tokens) for ids in batch))
                     wall = time.perf_counter() - t0
                     if r >= warmup:
                         ttft[mode] += [d[0] for d in done]
-                        rate[mode].append(sum(d[1] for d in done) / wall)
+                        if mode in rate:
+                            rate[mode].append(sum(d[1] for d in done) / wall)
+                        if mode == "mapped":
+                            connector += await asyncio.to_thread(metric, url, MAP_SECONDS) - before
                 progress(f"{length} tokens, concurrency {conc}: round {r + 1}/{warmup + rounds}")
-            med = {m: statistics.median(ttft[m]) for m in MODES}
+            med = {m: statistics.median(v) for m, v in ttft.items()}
             p90 = {m: sorted(ttft[m])[int(0.9 * (len(ttft[m]) - 1))] for m in MODES}
             rows.append(EngineRow(length, conc, med["native"], med["mapped"], med["native"] / med["mapped"],
                                   p90["native"], p90["mapped"], statistics.median(rate["native"]),
-                                  statistics.median(rate["mapped"]), len(ttft["mapped"])))
+                                  statistics.median(rate["mapped"]), len(ttft["mapped"]), med["ceiling"],
+                                  med["native"] / med["ceiling"], 1000 * connector / len(ttft["mapped"])))
     await client.close()
     return rows
 
@@ -129,12 +150,18 @@ def run_engine_bench(url: str, model: str, tokenizer, contexts: list[int], concu
 
 
 def engine_table(report: dict) -> str:
-    lines = ["| Context tokens | Concurrency | Native TTFT | Mapped TTFT | **TTFT speedup** | Native p90 | "
-             "Mapped p90 | Native tok/s | Mapped tok/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The report's rows as a Markdown table (reports from before the ceiling and connector columns: "–" there)."""
+    lines = ["| Context tokens | Concurrency | Native TTFT | Mapped TTFT | **TTFT speedup** | Connector | "
+             "Ceiling (prefix-cache hit) | Native p90 | Mapped p90 | Native tok/s | Mapped tok/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
+        connector = f"{r['connector_ms']:.1f} ms" if "connector_ms" in r else "–"
+        ceiling = (f"{r['ceiling_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×)" if "ceiling_ttft_ms" in r
+                   else "–")
         lines.append(f"| {r['context_tokens']:,} | {r['concurrency']} | {r['native_ttft_ms']:.1f} ms | "
-                     f"{r['mapped_ttft_ms']:.1f} ms | **{r['ttft_speedup']:.2f}×** | {r['native_p90_ms']:.1f} ms | "
-                     f"{r['mapped_p90_ms']:.1f} ms | {r['native_tokens_per_s']:.0f} | {r['mapped_tokens_per_s']:.0f} |")
+                     f"{r['mapped_ttft_ms']:.1f} ms | **{r['ttft_speedup']:.2f}×** | {connector} | {ceiling} | "
+                     f"{r['native_p90_ms']:.1f} ms | {r['mapped_p90_ms']:.1f} ms | {r['native_tokens_per_s']:.0f} | "
+                     f"{r['mapped_tokens_per_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -151,6 +178,8 @@ def plot_engine(report: dict, path: str) -> None:
         ax[0].plot(x, [r["native_ttft_ms"] for r in rows], "o--", label=f"native, concurrency {conc}")
         ax[0].plot(x, [r["mapped_ttft_ms"] for r in rows], "o-", label=f"mapped, concurrency {conc}")
         ax[1].plot(x, [r["ttft_speedup"] for r in rows], "o-", label=f"concurrency {conc}")
+        if all("ceiling_speedup" in r for r in rows):
+            ax[1].plot(x, [r["ceiling_speedup"] for r in rows], "x:", label=f"ceiling, concurrency {conc}")
     ax[0].set(xlabel="context tokens", ylabel="median TTFT (ms)", title="time to first token through vLLM")
     ax[1].axhline(1.0, color="gray", lw=0.8)
     ax[1].set(xlabel="context tokens", ylabel="native ÷ mapped", title="TTFT speed-up")

@@ -206,13 +206,17 @@ def _serve_bench_parser() -> argparse.ArgumentParser:
         description="Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` (every "
                     "option this command does not know goes to it, and through it to vLLM) or measures a running one "
                     "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
-                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput.")
+                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput; the "
+                    "connector's time per mapped request; and the ceiling: each native wave sent again, a "
+                    "prefix-cache hit, the least time this engine takes for a request of that length.")
     p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
     p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
     p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
     p.add_argument("--concurrency", default="1,4,8", help="simultaneous requests per wave (default: 1,4,8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds; a round is one wave of each mode (default: 5)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timed rounds; a round is a native wave, its re-send (the ceiling) and a mapped wave "
+                        "(default: 5)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
     p.add_argument("--json", help="write every row to this file (and the table beside it as .md)")
     p.add_argument("--plot", help="write a PNG: TTFT and speed-up vs context")
