@@ -8,9 +8,9 @@ and concurrency, rounds alternate native and mapped waves of ``concurrency`` sim
 first, then timed rounds); each mode's median TTFT over its requests, its p90, and its decode throughput (generated
 tokens per second of wave wall time) are reported, and the speed-up is the ratio of the medians of one run.
 
-Two more figures per row say where a mapped request's time goes. The **connector**: its mean time per mapped
-request (source prefill, map, recompute, cache writes), from the server's ``vllm:kvbridge_map_seconds_total``
-around the mapped waves. The **ceiling**: right after each native wave its prompts are sent again, natively; the
+Two more figures per row say where a mapped request's time goes. The **connector**: its time per mapped request
+(source prefill, map, recompute, cache writes) from the server's ``vllm:kvbridge_map_seconds_total`` around each
+mapped wave, the median over the waves. The **ceiling**: right after each native wave its prompts are sent again, natively; the
 engine's prefix cache then holds every full block of them but the last (vLLM computes at least one token), so
 that wave costs the engine's own handling of a request of this length and a block or less of prefill — what no
 transfer into this engine can go below. ``native ÷ ceiling`` bounds the speed-up any connector could show here.
@@ -45,7 +45,7 @@ class EngineRow:
     requests_per_mode: int
     ceiling_ttft_ms: float  # the native prompts again: a prefix-cache hit on all their full blocks but the last
     ceiling_speedup: float  # native ÷ ceiling: the most any transfer could gain in this engine
-    connector_ms: float  # mean time in the connector per mapped request
+    connector_ms: float  # median over the mapped waves of their connector time per request
 
 
 def heldout_stream(tokenizer) -> list[int]:
@@ -93,7 +93,7 @@ async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], co
         for conc in concurrencies:
             ttft = {m: [] for m in (*MODES, "ceiling")}
             rate = {m: [] for m in MODES}
-            connector = 0.0
+            connector: list[float] = []  # per timed mapped wave: its connector time per request
             for r in range(warmup + rounds):
                 # interleaved: drift hits both modes alike; the ceiling re-sends the native wave's prompts
                 for mode in (("native", "ceiling", "mapped") if r % 2 == 0 else ("mapped", "native", "ceiling")):
@@ -111,14 +111,14 @@ async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], co
                         if mode in rate:
                             rate[mode].append(sum(d[1] for d in done) / wall)
                         if mode == "mapped":
-                            connector += await asyncio.to_thread(metric, url, MAP_SECONDS) - before
+                            connector.append((await asyncio.to_thread(metric, url, MAP_SECONDS) - before) / conc)
                 progress(f"{length} tokens, concurrency {conc}: round {r + 1}/{warmup + rounds}")
             med = {m: statistics.median(v) for m, v in ttft.items()}
             p90 = {m: sorted(ttft[m])[int(0.9 * (len(ttft[m]) - 1))] for m in MODES}
             rows.append(EngineRow(length, conc, med["native"], med["mapped"], med["native"] / med["mapped"],
                                   p90["native"], p90["mapped"], statistics.median(rate["native"]),
                                   statistics.median(rate["mapped"]), len(ttft["mapped"]), med["ceiling"],
-                                  med["native"] / med["ceiling"], 1000 * connector / len(ttft["mapped"])))
+                                  med["native"] / med["ceiling"], 1000 * statistics.median(connector)))
     await client.close()
     return rows
 
