@@ -10,10 +10,10 @@ tokens per second of wave wall time) are reported, and the speed-up is the ratio
 
 Two more figures per row say where a mapped request's time goes. The **connector**: its time per mapped request
 (source prefill, map, recompute, cache writes) from the server's ``vllm:kvbridge_map_seconds_total`` around each
-mapped wave, the median over the waves. The **ceiling**: right after each native wave its prompts are sent again, natively; the
-engine's prefix cache then holds every full block of them but the last (vLLM computes at least one token), so
-that wave costs the engine's own handling of a request of this length and a block or less of prefill — what no
-transfer into this engine can go below. ``native ÷ ceiling`` bounds the speed-up any connector could show here.
+mapped wave, the median over the waves. The **ceiling**: right after each native wave its prompts are sent again,
+natively; the engine's prefix cache then holds every full block of them but the last (vLLM computes at least one
+token), so that wave costs the engine's own handling of a request of this length and a block or less of prefill —
+what no transfer into this engine can go below. ``native ÷ ceiling`` bounds the speed-up any connector could show.
 """
 
 from __future__ import annotations
