@@ -177,9 +177,10 @@ def plot_engine(report: dict, path: str) -> None:
         x = [r["context_tokens"] for r in rows]
         ax[0].plot(x, [r["native_ttft_ms"] for r in rows], "o--", label=f"native, concurrency {conc}")
         ax[0].plot(x, [r["mapped_ttft_ms"] for r in rows], "o-", label=f"mapped, concurrency {conc}")
-        ax[1].plot(x, [r["ttft_speedup"] for r in rows], "o-", label=f"concurrency {conc}")
+        (line,) = ax[1].plot(x, [r["ttft_speedup"] for r in rows], "o-", label=f"concurrency {conc}")
         if all("ceiling_speedup" in r for r in rows):
-            ax[1].plot(x, [r["ceiling_speedup"] for r in rows], "x:", label=f"ceiling, concurrency {conc}")
+            ax[1].plot(x, [r["ceiling_speedup"] for r in rows], "x:", color=line.get_color(),
+                       label=f"ceiling (prefix-cache hit), concurrency {conc}")
     ax[0].set(xlabel="context tokens", ylabel="median TTFT (ms)", title="time to first token through vLLM")
     ax[1].axhline(1.0, color="gray", lw=0.8)
     ax[1].set(xlabel="context tokens", ylabel="native ÷ mapped", title="TTFT speed-up")
