@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import model_info
 
-from kvbridge.bench import map_flops, path_flops, prefill_flops, recompute_flops
+from kvbridge.bench import cache_prefill_flops, map_flops, path_flops, prefill_flops, recompute_flops
 from kvbridge.cli import main
 from kvbridge.mapper import Mapper, MapperConfig
 from kvbridge.rope import RopeSpec
@@ -131,9 +131,15 @@ def test_mapped_path_flops_add_up_its_parts():
     config = MapperConfig(source=model_info("s", 1, 1, 2, rope=rope, max_positions=64, architecture="S", tokenizer="t"),
                           target=model_info("t", 2, 1, 2, rope=rope, max_positions=64, architecture="T", tokenizer="t"),
                           selection={k: ((0,), (0,)) for k in ("key", "value")})
-    base = prefill_flops(src, 18, 0) + map_flops(config, 18) + prefill_flops(tgt, 2, 1, past=18)
-    assert path_flops(src, tgt, config, 20, hold_back=2) == base
+    rest = map_flops(config, 18) + prefill_flops(tgt, 2, 1, past=18)
+    # no final hidden state read: the source's one layer only forms its queries, keys and values
+    assert cache_prefill_flops(src, 18) == 2 * 18 * 4 * (2 + 2 * 1) * 2
+    assert path_flops(src, tgt, config, 20, hold_back=2) == cache_prefill_flops(src, 18) + rest
+    # the logit criterion reads the source's final hidden states: its whole forward
+    base = prefill_flops(src, 18, 0) + rest
     assert path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1) == base + recompute_flops(tgt, 2, 18)
+    assert path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1, recompute_by="bigram") == \
+        cache_prefill_flops(src, 18) + rest + recompute_flops(tgt, 2, 18)
     surprisal = path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1, recompute_by="surprisal")
     assert surprisal - path_flops(src, tgt, config, 20, hold_back=2, recompute=0.1) == 2 * 18 * 4 * 10
 

@@ -3,7 +3,8 @@
 Per context length (batch 1 unless asked otherwise), measured side by side in one run:
 
 * native target prefill (decoder + the last token's logits, as a serving prefill),
-* source prefill (decoder only: transfer needs its cache, not its logits),
+* source prefill (decoder only: transfer needs its cache, not its logits; unless the map reads the source's
+  final hidden states, not even its last layer's attention and MLP),
 * warm map: source cache exists → target ``DynamicCache`` ready (RoPE removal, map, target RoPE,
   cache construction),
 * cold source+map: both of the above in one timed call (the card's "cold" column),
@@ -100,6 +101,24 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
     return linear + attention + 2.0 * logits_tokens * d * config.vocab_size
 
 
+def cache_prefill_flops(config, tokens: int, past: int = 0) -> float:
+    """FLOPs of a forward that only fills the cache (:func:`kvbridge.models.cache_only`): every layer but the last
+    whole, and the last one's query, key and value projections (the model's own code forms all three before it
+    stores K/V; the forward stops there)."""
+    layers, d = config.num_hidden_layers, config.hidden_size
+    heads, kv, hd = attention_widths(config)
+    return prefill_flops(config, tokens, 0, past) * (layers - 1) / layers + 2.0 * tokens * d * (heads + 2 * kv) * hd
+
+
+def source_flops(source_config, mapper: Mapper | MapperConfig, tokens: int, hidden: bool = False) -> float:
+    """FLOPs of the source prefill a transfer runs: the whole decoder when the map (or, with ``hidden``, the
+    recompute criterion) reads its final hidden states, else only what fills the cache."""
+    config = mapper.config if isinstance(mapper, Mapper) else mapper
+    if hidden or config.reads_state:
+        return prefill_flops(source_config, tokens, 0)
+    return cache_prefill_flops(source_config, tokens)
+
+
 def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
     """FLOPs of the map's GEMMs, keys and values: 2·T·Σ d_in·d_out over every weight (each layer's ``x @ W``
     and a residual MLP's two; a head-blocked layer's n blocks, n·(d_in/n)·(d_out/n) each).
@@ -134,8 +153,11 @@ def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, toke
     m = min(hold_back, tokens - 1)
     prefix = tokens - m
     selects = recompute > 0 or sink
-    source_logits = prefix if selects and recompute_by == "surprisal" else 0
-    flops = prefill_flops(source_config, prefix, source_logits) + map_flops(mapper, prefix)
+    if selects and recompute_by == "surprisal":  # the source's logits of every prefix token
+        flops = prefill_flops(source_config, prefix, prefix)
+    else:
+        flops = source_flops(source_config, mapper, prefix, hidden=selects and recompute_by not in ("bigram", "random"))
+    flops += map_flops(mapper, prefix)
     if selects:
         n = int(recompute_counts(recompute, torch.tensor([prefix]), sink)[0])  # as the runtime counts them
         flops += recompute_flops(target_config, n, prefix)
@@ -250,7 +272,7 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials)
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
-        f_source = batch * prefill_flops(bridge.source.model.config, tokens, 0)
+        f_source = batch * source_flops(bridge.source.model.config, bridge.mapper, tokens)  # as timed above
         f_ttft = mapped_ttft_flops(bridge, tokens, batch)
         rows.append(BenchRow(
             context_tokens=tokens,
