@@ -401,7 +401,8 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
     The last layer's keys and values are projections of that layer's input; its attention, MLP and the final
     norm serve the output only. The forward is stopped right after the last layer stores its K/V in the cache —
     the model's own code computes every stored value, so the cache equals the full forward's bit for bit (a
-    test pins it) — which saves most of one layer of the model's L (nearly half of a 2-layer source, a 26th of Ministral 3 3B).
+    test pins it) — which saves most of one layer of the model's L (nearly half of a 2-layer source, a 26th of
+    Ministral 3 3B).
     A model whose attention does not store through ``cache.update``, or whose decoder has no ``layers``, simply
     runs to the end.
     """
