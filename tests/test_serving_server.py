@@ -201,19 +201,23 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
 def test_the_engine_benchmark_reports_the_connector_and_the_ceiling(server):
     """`kvbridge serve-bench`'s measurement against the running target (tiny: one round of one request per mode):
     each row carries the connector's time per mapped request (from /metrics) and the ceiling, the native prompts sent
-    again as prefix-cache hits; the table shows both, and a report from before them still tables. Timings are the
-    benchmark's business, not checked here."""
+    again one token longer, every full block of them a prefix-cache hit (256 of 257 tokens with blocks of 128); the
+    table shows both, and a report from before them still tables. Timings are the benchmark's business, not checked
+    here."""
     from transformers import AutoTokenizer
 
     from kvbridge import family
     from kvbridge.serving.bench import engine_table, run_engine_bench
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
-    report = run_engine_bench(server[0], "kvbridge-family", tokenizer, [300], [1], warmup=0, rounds=1, new_tokens=2,
+    report = run_engine_bench(server[0], "kvbridge-family", tokenizer, [256], [1], warmup=0, rounds=1, new_tokens=2,
                               progress=lambda _: None)
     (row,) = report["rows"]
     assert row["connector_ms"] > 0 and row["ceiling_ttft_ms"] > 0 and row["requests_per_mode"] == 1, row
+    assert row["ceiling_cached_fraction"] == 256 / 257, row
     assert row["ceiling_speedup"] == row["native_ttft_ms"] / row["ceiling_ttft_ms"]
     assert f"{row['connector_ms']:.1f} ms" in engine_table(report)
-    old = {"rows": [{k: v for k, v in row.items() if k not in ("connector_ms", "ceiling_ttft_ms", "ceiling_speedup")}]}
+    assert "100% cached" in engine_table(report)
+    new = ("connector_ms", "ceiling_ttft_ms", "ceiling_speedup", "ceiling_cached_fraction")
+    old = {"rows": [{k: v for k, v in row.items() if k not in new}]}
     assert "| – | – |" in engine_table(old)

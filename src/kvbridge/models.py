@@ -410,10 +410,10 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
 
     if cache is None:
         cache = DynamicCache(config=decoder.config)
+    kwargs = {**kwargs, **with_cache(cache)}
     if not hasattr(decoder, "layers"):  # not a stack kvbridge knows: the whole forward
-        decoder(**{**kwargs, **with_cache(cache)})
-        return cache
-    last, update = len(decoder.layers) - 1, cache.update
+        return cache_of(decoder(**kwargs))
+    last, update, own = len(decoder.layers) - 1, cache.update, vars(cache).get("update")
 
     def stop_after_last(key_states, value_states, layer_idx, *args, **kw):
         out = update(key_states, value_states, layer_idx, *args, **kw)
@@ -423,12 +423,14 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
 
     cache.update = stop_after_last
     try:
-        decoder(**{**kwargs, **with_cache(cache)})
+        return cache_of(decoder(**kwargs))  # the stop never came: the forward's own cache
     except _CacheComplete:
-        pass
+        return cache
     finally:
-        del cache.update
-    return cache
+        if own is None:
+            del cache.update
+        else:
+            cache.update = own
 
 
 @torch.no_grad()

@@ -11,9 +11,11 @@ tokens per second of wave wall time) are reported, and the speed-up is the ratio
 Two more figures per row say where a mapped request's time goes. The **connector**: its time per mapped request
 (source prefill, map, recompute, cache writes) from the server's ``vllm:kvbridge_map_seconds_total`` around each
 mapped wave, the median over the waves. The **ceiling**: right after each native wave its prompts are sent again,
-natively; the engine's prefix cache then holds every full block of them but the last (vLLM computes at least one
-token), so that wave costs the engine's own handling of a request of this length and a block or less of prefill —
-what no transfer into this engine can go below. ``native ÷ ceiling`` bounds the speed-up any connector could show.
+natively, one token longer; the engine's prefix cache then holds every full block of the first send (the share it
+found is reported from ``vllm:prefix_cache_hits_total``), so the engine computes what follows the last full block: one
+token when the length is a multiple of the block size (256 and 1,024 with blocks of 128), as a mapped request with a
+hold-back of 1 does, more otherwise (81 tokens at 2,000). That is a transfer whose connector costs nothing: ``native
+÷ ceiling`` is what the engine leaves any transfer at that length (at lengths that are multiples of the block size).
 """
 
 from __future__ import annotations
@@ -26,9 +28,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import KVBridgeError
-from .cascade import MAP_SECONDS, metric
 
 MODES = ("native", "mapped")
+MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
+CACHE_HITS = "vllm:prefix_cache_hits_total"  # prompt tokens the engine found in its prefix cache
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter over its label sets at ``url``/metrics (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 @dataclass
@@ -43,9 +59,10 @@ class EngineRow:
     native_tokens_per_s: float
     mapped_tokens_per_s: float
     requests_per_mode: int
-    ceiling_ttft_ms: float  # the native prompts again: a prefix-cache hit on all their full blocks but the last
-    ceiling_speedup: float  # native ÷ ceiling: the most any transfer could gain in this engine
+    ceiling_ttft_ms: float  # the native prompts again, one token longer: a prefix-cache hit on their full blocks
+    ceiling_speedup: float  # native ÷ ceiling
     connector_ms: float  # median over the mapped waves of their connector time per request
+    ceiling_cached_fraction: float  # of the ceiling's prompt tokens, those the engine found in its prefix cache
 
 
 def heldout_stream(tokenizer) -> list[int]:
@@ -94,14 +111,18 @@ async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], co
             ttft = {m: [] for m in (*MODES, "ceiling")}
             rate = {m: [] for m in MODES}
             connector: list[float] = []  # per timed mapped wave: its connector time per request
+            cached = sent = 0.0  # the ceiling waves' prompt tokens found in the prefix cache, and sent
+            batch: list[list[int]] = []
             for r in range(warmup + rounds):
-                # interleaved: drift hits both modes alike; the ceiling re-sends the native wave's prompts
+                # native and mapped alternate first in a round (drift hits both alike); the ceiling follows native
                 for mode in (("native", "ceiling", "mapped") if r % 2 == 0 else ("mapped", "native", "ceiling")):
-                    if mode != "ceiling":
+                    if mode == "ceiling":  # the native wave's prompts and one token more: all their full blocks hit
+                        batch = [ids + ids[-1:] for ids in batch]
+                    else:
                         batch = pool[cursor:cursor + conc]
                         cursor += conc
-                    if mode == "mapped":
-                        before = await asyncio.to_thread(metric, url, MAP_SECONDS)
+                    counter = {"mapped": MAP_SECONDS, "ceiling": CACHE_HITS}.get(mode)
+                    before = await asyncio.to_thread(metric, url, counter) if counter else 0.0
                     t0 = time.perf_counter()
                     done = await asyncio.gather(*(_one(client, model, ids, "native" if mode == "ceiling" else mode,
                                                        new_tokens) for ids in batch))
@@ -110,15 +131,20 @@ async def _measure(url: str, model: str, prompts: dict[int, list[list[int]]], co
                         ttft[mode] += [d[0] for d in done]
                         if mode in rate:
                             rate[mode].append(sum(d[1] for d in done) / wall)
+                        delta = await asyncio.to_thread(metric, url, counter) - before if counter else 0.0
                         if mode == "mapped":
-                            connector.append((await asyncio.to_thread(metric, url, MAP_SECONDS) - before) / conc)
+                            connector.append(delta / conc)
+                        elif mode == "ceiling":
+                            cached += delta
+                            sent += sum(len(ids) for ids in batch)
                 progress(f"{length} tokens, concurrency {conc}: round {r + 1}/{warmup + rounds}")
             med = {m: statistics.median(v) for m, v in ttft.items()}
             p90 = {m: sorted(ttft[m])[int(0.9 * (len(ttft[m]) - 1))] for m in MODES}
             rows.append(EngineRow(length, conc, med["native"], med["mapped"], med["native"] / med["mapped"],
                                   p90["native"], p90["mapped"], statistics.median(rate["native"]),
                                   statistics.median(rate["mapped"]), len(ttft["mapped"]), med["ceiling"],
-                                  med["native"] / med["ceiling"], 1000 * statistics.median(connector)))
+                                  med["native"] / med["ceiling"], 1000 * statistics.median(connector),
+                                  cached / sent))
     await client.close()
     return rows
 
@@ -158,6 +184,8 @@ def engine_table(report: dict) -> str:
         connector = f"{r['connector_ms']:.1f} ms" if "connector_ms" in r else "–"
         ceiling = (f"{r['ceiling_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×)" if "ceiling_ttft_ms" in r
                    else "–")
+        if "ceiling_cached_fraction" in r:
+            ceiling = ceiling[:-1] + f", {r['ceiling_cached_fraction']:.0%} cached)"
         lines.append(f"| {r['context_tokens']:,} | {r['concurrency']} | {r['native_ttft_ms']:.1f} ms | "
                      f"{r['mapped_ttft_ms']:.1f} ms | **{r['ttft_speedup']:.2f}×** | {connector} | {ceiling} | "
                      f"{r['native_p90_ms']:.1f} ms | {r['mapped_p90_ms']:.1f} ms | {r['native_tokens_per_s']:.0f} | "

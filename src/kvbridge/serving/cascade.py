@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import KVBridgeError
+from .bench import MAP_SECONDS, metric
 
 WAYS = ("native", "warm", "folder", "whole", "remap", "cold")
 COPIES = ("folder", "whole", "remap")  # ways reading a stored copy of the conversation of their own (their salt)
 STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 HOT = "vllm:kvbridge_hot_tokens_total"
-MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
 WRITE_SECONDS = "vllm:kvbridge_write_seconds_total"  # of them, writing into the engine's paged cache
 
 
@@ -159,19 +159,6 @@ async def _turn(client, model: str, messages: list[dict], max_tokens: int, param
             tokens += list(getattr(chunk.choices[0], "token_ids", None) or [])
     end = time.perf_counter()
     return 1000 * ((first or end) - start), "".join(text), tokens, 1000 * (end - start)
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a Prometheus counter over its label sets at ``url``/metrics (0 when absent)."""
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _agreement(answer: list[int], reference: list[int]) -> float:
