@@ -134,6 +134,8 @@ def test_mapped_path_flops_add_up_its_parts():
     rest = map_flops(config, 18) + prefill_flops(tgt, 2, 1, past=18)
     # no final hidden state read: the source's one layer only forms its queries, keys and values
     assert cache_prefill_flops(src, 18) == 2 * 18 * 4 * (2 + 2 * 1) * 2
+    # two layers: the first whole, the last's projections (the target geometry: width 6)
+    assert cache_prefill_flops(tgt, 18) == prefill_flops(tgt, 18, 0) / 2 + 2 * 18 * 6 * (2 + 2 * 1) * 2
     assert path_flops(src, tgt, config, 20, hold_back=2) == cache_prefill_flops(src, 18) + rest
     # the logit criterion reads the source's final hidden states: its whole forward
     base = prefill_flops(src, 18, 0) + rest
