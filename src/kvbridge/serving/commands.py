@@ -207,8 +207,9 @@ def _serve_bench_parser() -> argparse.ArgumentParser:
                     "option this command does not know goes to it, and through it to vLLM) or measures a running one "
                     "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
                     "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput; the "
-                    "connector's time per mapped request; and the ceiling: each native wave sent again, a "
-                    "prefix-cache hit, the least time this engine takes for a request of that length.")
+                    "connector's time per mapped request; and the ceiling: each native wave sent again one token "
+                    "longer, a prefix-cache hit on its full blocks, what a transfer whose connector cost nothing "
+                    "would take.")
     p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
     p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
     p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
