@@ -144,6 +144,13 @@ def test_break_even_reads_a_bench_file(tmp_path):
     path.write_text("{")
     with pytest.raises(InputError, match="not a kvbridge bench"):
         break_even(str(path))
+    # a serve-bench report: one request at a time decides (concurrency 8 beat native at 256, a lone request did not)
+    rows = [{"context_tokens": n, "concurrency": c, "ttft_speedup": x}
+            for n, c, x in ((256, 1, 0.89), (256, 8, 1.09), (1024, 1, 1.18), (1024, 8, 1.10), (2000, 1, 1.41))]
+    path.write_text(json.dumps({"rows": rows}))
+    assert break_even(str(path)) == 1024
+    path.write_text(json.dumps({"rows": [dict(r, concurrency=4) for r in rows if r["concurrency"] == 8]}))
+    assert break_even(str(path)) == 256  # no single-request rows: the lowest concurrency measured
 
 
 def test_flags_are_read_in_both_forms_and_a_missing_value_is_one_line(capsys):

@@ -110,8 +110,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-tokens", type=int, default=None,
                    help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
                         f"{d.min_tokens})")
-    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair: auto's threshold is the shortest "
-                                   "context whose mapped TTFT beat native")
+    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair, or a `kvbridge serve-bench --json` "
+                                   "one of this server's settings (through the engine, one request at a time): "
+                                   "auto's threshold is the shortest context whose mapped TTFT beat native")
     w = p.add_argument_group("warm transfer (the source engine's stored KV: see kvbridge serve-source)")
     w.add_argument("--store", help="the KV store a `kvbridge serve-source` engine writes: prompt blocks found there "
                                    "are read where it mapped them ahead, else mapped without a source prefill; "

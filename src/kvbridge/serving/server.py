@@ -76,12 +76,17 @@ def preflight(config: ServeConfig) -> dict[str, Any]:
 
 
 def break_even(bench_json: str) -> int:
-    """The shortest context at which ``kvbridge bench --json``'s mapped TTFT beat native (``auto``'s threshold)."""
+    """The shortest context at which a benchmark's mapped TTFT beat native (``auto``'s threshold): of ``kvbridge
+    bench --json`` (transformers), or of ``kvbridge serve-bench --json`` (through the engine; its rows of the lowest
+    concurrency measured, one request at a time where it was: what a lone request waits)."""
     try:
         rows = json.loads(Path(bench_json).read_text(encoding="utf-8"))["rows"]
+        if any("concurrency" in r for r in rows):  # a serve-bench report
+            lowest = min(int(r["concurrency"]) for r in rows)
+            rows = [r for r in rows if int(r["concurrency"]) == lowest]
         faster = sorted(int(r["context_tokens"]) for r in rows if float(r["ttft_speedup"]) > 1.0)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"--bench {bench_json}: not a kvbridge bench --json file ({exc}).") from None
+        raise InputError(f"--bench {bench_json}: not a kvbridge bench or serve-bench --json file ({exc}).") from None
     if not faster:
         raise InputError(f"--bench {bench_json}: mapped time to first token beat native at no measured length; "
                          "`auto` would never map. Use --mode native, or measure longer contexts.")
