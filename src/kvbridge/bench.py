@@ -147,7 +147,8 @@ def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
 def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, tokens: int, hold_back: int = 1,
                recompute: float = 0.0, sink: bool = False, recompute_by: str = "logit") -> float:
     """FLOPs of the mapped path to the first token: source prefill of T − m tokens (with its logits when the
-    recompute criterion is the source's surprisal), the map, the target's recompute of the chosen tokens and
+    recompute criterion is the source's surprisal; its cache only when nothing reads its final hidden states,
+    :func:`source_flops`), the map, the target's recompute of the chosen tokens and
     its forward over the m held-back tokens with the last token's logits. Configs only: a plan needs no
     weights."""
     m = min(hold_back, tokens - 1)
