@@ -405,3 +405,18 @@ def test_parallel_engines_the_connectors_cannot_serve_are_refused_before_they_st
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
     cpu_defaults(2)  # the cores are shared among the tensor-parallel workers
     assert os.environ["OMP_NUM_THREADS"] == "2"
+
+
+def test_a_server_gone_mid_benchmark_is_one_error_not_a_traceback():
+    """The benchmarks read the server's /metrics between waves: a server that stopped is a KVBridgeError that says
+    so (the command prints it in one line), not urllib's traceback."""
+    import socket
+
+    from kvbridge.errors import KVBridgeError
+    from kvbridge.serving.bench import metric
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(KVBridgeError, match="could not be read"):
+        metric(f"http://127.0.0.1:{port}", "vllm:kvbridge_map_seconds_total")

@@ -38,12 +38,16 @@ def metric(url: str, name: str) -> float:
     """The sum of a Prometheus counter over its label sets at ``url``/metrics (0 when absent)."""
     import urllib.request
 
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+    except (OSError, ValueError) as exc:  # (urllib's errors are OSErrors)
+        raise KVBridgeError(f"{url}/metrics: the server's counters could not be read ({exc}); is the server still "
+                            "running? Its log says why it stopped.") from None
     return total
 
 
