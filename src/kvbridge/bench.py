@@ -37,7 +37,7 @@ import torch
 from .mapper import KINDS, Mapper, MapperConfig
 from .models import prefill
 from .outputs import save_figure
-from .recompute import recompute_counts
+from .recompute import reads_source_state, recompute_counts
 from .transfer import Bridge
 
 
@@ -157,7 +157,7 @@ def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, toke
     if selects and recompute_by == "surprisal":  # the source's logits of every prefix token
         flops = prefill_flops(source_config, prefix, prefix)
     else:
-        flops = source_flops(source_config, mapper, prefix, hidden=selects and recompute_by not in ("bigram", "random"))
+        flops = source_flops(source_config, mapper, prefix, hidden=selects and reads_source_state(recompute_by))
     flops += map_flops(mapper, prefix)
     if selects:
         n = int(recompute_counts(recompute, torch.tensor([prefix]), sink)[0])  # as the runtime counts them

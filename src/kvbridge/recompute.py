@@ -59,6 +59,13 @@ CRITERIA = ("surprisal", "logit", "bigram", "random")
 BIGRAM_PRIOR = 1.0  # pseudo-counts of the unigram distribution in every bigram context
 
 
+def reads_source_state(recompute_by: str) -> bool:
+    """Whether a recompute criterion scores tokens from the source's final hidden states (so the source prefill must
+    run its whole decoder, not stop at its cache): the source's surprisal and logit do; a bigram table and the
+    random control do not."""
+    return recompute_by not in ("bigram", "random")
+
+
 def is_window(window) -> bool:
     """Whether ``window`` is a valid ``recompute_window``: an odd integer >= 1 (centred on each token)."""
     return isinstance(window, int) and not isinstance(window, bool) and window >= 1 and window % 2 == 1
@@ -405,7 +412,7 @@ def source_scores(bridge, ids: torch.Tensor, mask: torch.Tensor, positions: torc
     if stored is None and bridge.recompute_by == "surprisal" and not reads_state:
         source_cache, logits = prefill(source, ids, mask, positions, logits="all")
         return source_cache, None, surprisal(logits, ids)
-    wants = bridge.recompute_by not in ("bigram", "random") or reads_state
+    wants = reads_source_state(bridge.recompute_by) or reads_state
     source_cache, _, hidden = bridge.source_prefill(ids, mask, stored, state=wants)
     if bridge.recompute_by == "surprisal":  # the same logits, from the hidden states the mapper reads too
         scores = surprisal(logits_from_hidden(source, hidden), ids)
