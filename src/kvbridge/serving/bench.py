@@ -186,10 +186,9 @@ def engine_table(report: dict) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         connector = f"{r['connector_ms']:.1f} ms" if "connector_ms" in r else "–"
-        ceiling = (f"{r['ceiling_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×)" if "ceiling_ttft_ms" in r
+        cached = f", {r['ceiling_cached_fraction']:.0%} cached" if "ceiling_cached_fraction" in r else ""
+        ceiling = (f"{r['ceiling_ttft_ms']:.1f} ms ({r['ceiling_speedup']:.2f}×{cached})" if "ceiling_ttft_ms" in r
                    else "–")
-        if "ceiling_cached_fraction" in r:
-            ceiling = ceiling[:-1] + f", {r['ceiling_cached_fraction']:.0%} cached)"
         lines.append(f"| {r['context_tokens']:,} | {r['concurrency']} | {r['native_ttft_ms']:.1f} ms | "
                      f"{r['mapped_ttft_ms']:.1f} ms | **{r['ttft_speedup']:.2f}×** | {connector} | {ceiling} | "
                      f"{r['native_p90_ms']:.1f} ms | {r['mapped_p90_ms']:.1f} ms | {r['native_tokens_per_s']:.0f} | "
