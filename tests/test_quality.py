@@ -325,6 +325,9 @@ def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_in
     assert recommend(points, validation) == "close"  # noisy clears 1.5x only inside its own noise
     assert recommend(points[:1] + points[2:], validation) == "best"  # far is faster, but worse beyond noise
     assert recommend([point("slow", 1.52, 0.05, 0.9)], validation | {"slow": run(best)}) is None
+    # a control measures what a choice adds: never recommended, however it measures
+    control = point("blind (control)", 4.0, 0.0, 0.95)
+    assert recommend(points + [control], validation | {"blind (control)": run([0.95] * 40)}) == "close"
 
 
 def test_paired_bootstrap_draws_a_document_at_every_length_at_once():

@@ -183,7 +183,7 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
     runtime = read_config(family_fast_mapper).runtime
     light = target_copy(config, runtime, torch.float32)
     assert isinstance(light.model, RopeOnly) and sum(p.numel() for p in light.model.parameters()) == 0
-    for options in (runtime.override(recompute=0.04), runtime.override(sink=True)):
+    for options in (runtime.override(recompute=0.04), runtime.override(sink=True), runtime.override(native_layers=1)):
         full = target_copy(config, options, torch.float32)
         assert not isinstance(full.model, RopeOnly) and sum(p.numel() for p in full.model.parameters()) > 10**6
         assert full.info == light.info  # the same checkpoint, as the mapper's checks see it

@@ -101,13 +101,14 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
     return linear + attention + 2.0 * logits_tokens * d * config.vocab_size
 
 
-def cache_prefill_flops(config, tokens: int, past: int = 0) -> float:
+def cache_prefill_flops(config, tokens: int, past: int = 0, depth: int | None = None) -> float:
     """FLOPs of a forward that only fills the cache (:func:`kvbridge.models.cache_only`): every layer but the last
     whole, and the last one's query, key and value projections (the model's own code forms all three before it
-    stores K/V; the forward stops there)."""
+    stores K/V; the forward stops there). ``depth``: the cache of the first ``depth`` layers only."""
     layers, d = config.num_hidden_layers, config.hidden_size
     heads, kv, hd = attention_widths(config)
-    return prefill_flops(config, tokens, 0, past) * (layers - 1) / layers + 2.0 * tokens * d * (heads + 2 * kv) * hd
+    whole = (layers if depth is None else depth) - 1
+    return prefill_flops(config, tokens, 0, past) * whole / layers + 2.0 * tokens * d * (heads + 2 * kv) * hd
 
 
 def source_flops(source_config, mapper: Mapper | MapperConfig, tokens: int, hidden: bool = False) -> float:
@@ -116,7 +117,7 @@ def source_flops(source_config, mapper: Mapper | MapperConfig, tokens: int, hidd
     config = mapper.config if isinstance(mapper, Mapper) else mapper
     if hidden or config.reads_state:
         return prefill_flops(source_config, tokens, 0)
-    return cache_prefill_flops(source_config, tokens)
+    return cache_prefill_flops(source_config, tokens, depth=config.source_depth)
 
 
 def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
@@ -141,16 +142,19 @@ def recompute_flops(config, n: int, prefix: int) -> float:
 def mapped_ttft_flops(bridge: Bridge, tokens: int, batch: int = 1) -> float:
     """FLOPs of a bridge's mapped path to the first token (:func:`path_flops` with its models and options)."""
     return batch * path_flops(bridge.source.model.config, bridge.target.model.config, bridge.mapper, tokens,
-                              bridge.hold_back, bridge.recompute, bridge.sink, bridge.recompute_by)
+                              bridge.hold_back, bridge.recompute, bridge.sink, bridge.recompute_by,
+                              bridge.native_layers)
 
 
 def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, tokens: int, hold_back: int = 1,
-               recompute: float = 0.0, sink: bool = False, recompute_by: str = "logit") -> float:
+               recompute: float = 0.0, sink: bool = False, recompute_by: str = "logit", native_layers: int = 0
+               ) -> float:
     """FLOPs of the mapped path to the first token: source prefill of T − m tokens (with its logits when the
     recompute criterion is the source's surprisal; its cache only when nothing reads its final hidden states,
-    :func:`source_flops`), the map, the target's recompute of the chosen tokens and
-    its forward over the m held-back tokens with the last token's logits. Configs only: a plan needs no
-    weights."""
+    and only to the deepest layer the maps read, :func:`source_flops`), the map (every target layer's, as the
+    runtime computes it), the target's own first ``native_layers`` layers over the prefix, the target's recompute
+    of the chosen tokens and its forward over the m held-back tokens with the last token's logits. Configs only:
+    a plan needs no weights."""
     m = min(hold_back, tokens - 1)
     prefix = tokens - m
     selects = recompute > 0 or sink
@@ -159,6 +163,8 @@ def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, toke
     else:
         flops = source_flops(source_config, mapper, prefix, hidden=selects and reads_source_state(recompute_by))
     flops += map_flops(mapper, prefix)
+    if native_layers:
+        flops += cache_prefill_flops(target_config, prefix, depth=native_layers)
     if selects:
         n = int(recompute_counts(recompute, torch.tensor([prefix]), sink)[0])  # as the runtime counts them
         flops += recompute_flops(target_config, n, prefix)
@@ -252,11 +258,13 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
 
         src_cache, positions, state = source()
 
-        def warm():
-            return bridge.map_cache(src_cache, positions, state)
+        def warm():  # the map (and the target's own first layers, which no stored source cache spares)
+            return bridge.native_lower(bridge.map_cache(src_cache, positions, state), ids, mask, positions)
 
         def cold():
-            return bridge.map_cache(*bridge.source_prefill(ids.to(src_device), mask.to(src_device)))
+            return bridge.native_lower(bridge.map_cache(*bridge.source_prefill(ids.to(src_device),
+                                                                                mask.to(src_device))),
+                                       ids, mask, positions)
 
         def mapped_ttft():
             return bridge.first_token_logits(ids, mask, "mapped")
@@ -274,6 +282,8 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
         f_source = batch * source_flops(bridge.source.model.config, bridge.mapper, tokens)  # as timed above
+        f_native_layers = batch * (cache_prefill_flops(bridge.target.model.config, tokens, depth=bridge.native_layers)
+                                   if bridge.native_layers else 0.0)
         f_ttft = mapped_ttft_flops(bridge, tokens, batch)
         rows.append(BenchRow(
             context_tokens=tokens,
@@ -282,7 +292,7 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
             warm_speedup=t_native[0] / t_warm[0], cold_speedup=t_native[0] / t_cold[0],
             ttft_speedup=t_native[0] / t_ttft[0],
             map_gflop=f_map / 1e9, map_efficiency=t_matmul / t_warm[0],
-            cold_speedup_limit=f_native / (f_source + f_map), ttft_speedup_limit=f_native / f_ttft,
+            cold_speedup_limit=f_native / (f_source + f_map + f_native_layers), ttft_speedup_limit=f_native / f_ttft,
             native_prefill_gflop=f_native / 1e9, source_prefill_gflop=f_source / 1e9,
             timings_min_max_ms={"native": t_native[1:], "source": t_source[1:], "warm_map": t_warm[1:],
                                 "cold": t_cold[1:], "mapped_ttft": t_ttft[1:], "matmul_reference_median": t_matmul},

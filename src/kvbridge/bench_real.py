@@ -57,19 +57,21 @@ def build(name: str, device, dtype, tiny: bool):
 
 
 def published_config(source_info, target_info, levers: bool, source_hidden: int = 0, lever_inputs: str | None = None,
-                     top_k: int | None = None, rank_fraction: float | None = None, head_blocks: int | None = None):
+                     top_k: int | None = None, rank_fraction: float | None = None, head_blocks: int | None = None,
+                     source_depth: int | None = None):
     """The published artifact's geometry (top_k = 26: every target layer reads all source layers), with or
     without ``kvbridge fit``'s default levers on the last target layer (which layer a real fit picks depends
     on the data; the cost does not). ``lever_inputs`` replaces the default's (e.g. "kvs"). Fast maps: ``top_k``
     source layers a plain map (the last ones: the cost depends on the count only); ``rank_fraction``: every layer
     without levers factored through the rank that costs this share of its full map's FLOPs; ``head_blocks``: every
-    layer without levers split into that many blocks of KV heads (the head count: head-matched)."""
+    layer without levers split into that many blocks of KV heads (the head count: head-matched); ``source_depth``:
+    every map reads the first that many source layers only (the source's prefill stops there)."""
     from dataclasses import replace
 
     from .fit import FitConfig
     from .mapper import MapperConfig
 
-    all_layers = tuple(range(source_info.num_layers))
+    all_layers = tuple(range(source_info.num_layers if source_depth is None else source_depth))
     chosen_layers = all_layers if top_k is None else all_layers[-min(top_k, len(all_layers)):]
     selection = {kind: [chosen_layers] * target_info.num_layers for kind in ("key", "value")}
     chosen = ()
@@ -79,8 +81,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
         chosen = tuple(d.lever(kind, last, source_hidden) for kind in d.lever_kinds)
         if d.lever_top_k is not None:  # the lever layer reads its best lever_top_k source layers (here: the last)
             for kind in d.lever_kinds:
-                selection[kind][last] = tuple(range(max(0, source_info.num_layers - d.lever_top_k),
-                                                    source_info.num_layers))
+                selection[kind][last] = all_layers[-min(d.lever_top_k, len(all_layers)):]
     selection = {kind: tuple(layers) for kind, layers in selection.items()}
     ranks = {}
     if rank_fraction is not None:

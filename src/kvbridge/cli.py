@@ -149,6 +149,11 @@ def _add_levers(p: argparse.ArgumentParser) -> None:
                    help="the target recomputes each prompt's first token (attention sink)")
     r.add_argument("--hold-back", type=int, default=d.hold_back,
                    help=f"last prompt tokens the target reads itself (default: {d.hold_back})")
+    r.add_argument("--native-layers", type=int, default=d.native_layers,
+                   help="the target computes its first N layers' keys and values itself (its own prefill, stopped "
+                        "there) and the map fills the rest: for a pair whose lost quality sits in a low layer (see "
+                        "kvbridge diagnose --oracle); costs N of the target's layers per token (default: "
+                        f"{d.native_layers})")
 
 
 def _lever_settings(args) -> dict:
@@ -163,7 +168,8 @@ def _lever_settings(args) -> dict:
                 tune_batch=args.tune_batch,
                 tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
                 recompute=args.recompute, recompute_by=args.recompute_by,
-                recompute_window=args.recompute_window, sink=args.sink, hold_back=args.hold_back)
+                recompute_window=args.recompute_window, sink=args.sink, hold_back=args.hold_back,
+                native_layers=args.native_layers)
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
@@ -179,6 +185,9 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
                         f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on the embedded families: with "
                         f"the levers one beat all four on the deep family's 4-layer source and tied them on "
                         f"deep-pruned's)")
+    p.add_argument("--source-depth", type=int, default=None,
+                   help="maps read only the source's first D layers, so a transfer's source prefill stops after "
+                        "layer D-1 (default: any layer)")
     p.add_argument("--rank", type=int, default=None,
                    help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
                         "FLOPs per token; default: full rank)")
@@ -203,7 +212,7 @@ def _fit_config(args):
     return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                      ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
                      rank=args.rank, rank_flops=args.rank_flops, head_blocks=args.head_blocks,
-                     **_lever_settings(args))
+                     source_depth=args.source_depth, **_lever_settings(args))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -308,8 +317,8 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
     fr.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
     fr.add_argument("--grid", default=None,
-                    choices=["full", "extended", "tuning", "values", "deep", "deep-levers", "deep-bottleneck", "layers",
-                             "quick"],
+                    choices=["full", "extended", "tuning", "values", "deep", "deep-levers", "deep-bottleneck",
+                             "deep-native", "layers", "quick"],
                     help="full: the levers worth their cost and a blind-recompute control (about 36 minutes on 2 CPU "
                          "cores); extended: also those that did not make it, for the record (hours); tuning: what "
                          "tuning on the target's output and the repeated spans each buy; values: what a lever on the "
@@ -317,7 +326,10 @@ def _parser() -> argparse.ArgumentParser:
                          "rank, head-matched) against full ones; deep-levers: the deep family's fits with residual "
                          "MLPs again (run it with another --seed) beside larger recompute shares, two source layers a "
                          "map and the source's hidden state (about an hour); deep-bottleneck: levers on the keys and "
-                         "values of the deep family's worst layer, and with a wider MLP (about 35 minutes); layers: "
+                         "values of the deep family's worst layer, and with a wider MLP (about 35 minutes); "
+                         "deep-native: the deep target's first four layers computed natively (--native-layers 4), the "
+                         "map filling the rest from the source's first one, two or four layers, beside a control "
+                         "that fills them with the maps' means; layers: "
                          "one source layer a map against every one, plain and with the levers; quick: a smoke test "
                          "(default: full; deep with --family deep, layers with --family deep-pruned)")
     fr.add_argument("--quick", action="store_true", help="same as --grid quick")

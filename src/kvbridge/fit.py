@@ -59,6 +59,8 @@ class FitConfig:
     # each) and beats it with the levers on the deep one (28.7 / 28.8 % vs 19.3 / 20.1 % at seeds 0 / 1), at a
     # fraction of the FLOPs
     top_k: int | None = 1
+    # maps read only the source's first D layers (None: any): the source's prefill then stops after layer D − 1
+    source_depth: int | None = None
     ridge: float = 0.01
     # reduced-rank plain maps (kvbridge.rank): one rank for every layer without levers, or a share of their
     # full-rank FLOPs spent where held-out R² gains most; None: full-rank maps
@@ -102,6 +104,7 @@ class FitConfig:
     recompute_by: str = "logit"  # "surprisal" (exact, costs source logits) or "bigram" (a calibration table)
     recompute_window: int = 9  # its score averaged over the 9 tokens centred on each: unpredictable spans go whole
     sink: bool = False
+    native_layers: int = 0  # the target computes its first N layers itself (levers then go to the mapped ones)
 
     @property
     def lever_input_kinds(self) -> tuple[str, ...]:
@@ -155,6 +158,8 @@ class FitConfig:
             raise InputError(f"--lever-objective must be {' or '.join(OBJECTIVES)}.")
         if self.tune_steps < 1 or self.tune_batch < 1 or not self.tune_lr > 0 or self.tune_rows < 2:
             raise InputError("--tune-steps and --tune-batch must be >= 1, --tune-lr > 0, --tune-rows >= 2.")
+        if self.native_layers < 0:
+            raise InputError("--native-layers must be >= 0 (0: the map fills every target layer).")
         if self.hold_back < 1 or not 0.0 <= self.recompute <= 1.0:
             raise InputError("--hold-back must be >= 1 and --recompute a fraction in [0, 1].")
         if self.recompute_by not in CRITERIA:
@@ -170,6 +175,11 @@ class FitConfig:
             raise InputError(f"--stride must be between 1 and --seq-len ({self.seq_len}).")
         if self.top_k is not None and self.top_k < 1:
             raise InputError("--top-k must be at least 1.")
+        if self.source_depth is not None and self.source_depth < 1:
+            raise InputError("--source-depth must be at least 1 (leave it out to let maps read every source layer).")
+        if self.source_depth is not None and self.top_k is not None and self.top_k > self.source_depth:
+            raise InputError(f"--top-k {self.top_k} source layers a map cannot come from the first "
+                             f"{self.source_depth} (--source-depth); pass --top-k at most {self.source_depth}.")
         if not 0 <= self.ridge <= MAX_RIDGE:
             raise InputError(f"--ridge must be a number from 0 to {MAX_RIDGE:g} (it is relative to the mean diagonal "
                              f"of the source Gram: beyond that the map is all but zero), not {self.ridge}.")
@@ -192,8 +202,8 @@ class FitConfig:
 
 _INTS = ("num_texts", "seq_len", "stride", "batch_size", "heldout_texts", "lever_count", "lever_stride", "mlp_hidden",
          "mlp_steps", "mlp_batch", "mlp_observations", "tune_steps", "tune_batch", "tune_rows", "seed", "hold_back",
-         "recompute_window")
-_OPTIONAL_INTS = ("top_k", "lever_top_k", "rank", "head_blocks")
+         "recompute_window", "native_layers")
+_OPTIONAL_INTS = ("top_k", "lever_top_k", "rank", "head_blocks", "source_depth")
 _NUMBERS = ("ridge", "mlp_lr", "recompute", "repeat_spans", "tune_lr")
 _STRINGS = ("lever_inputs", "lever_weighting", "lever_objective", "recompute_by")
 
@@ -257,16 +267,18 @@ def single_layer_r2(stats: KVStats, fs: int, ls: int, ft: int, lt: int, ridge: f
     return scores
 
 
-def select_layers(scores: torch.Tensor, top_k: int) -> tuple[tuple[int, ...], ...]:
-    """Per target layer, the ``top_k`` source layers with the best single-layer R² (sorted by id)."""
+def select_layers(scores: torch.Tensor, top_k: int, depth: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Per target layer, the ``top_k`` source layers with the best single-layer R² (sorted by id), among the
+    first ``depth`` (None: all)."""
+    scores = scores[:depth]
     ls, lt = scores.shape
     k = min(top_k, ls)
     return tuple(tuple(sorted(torch.topk(scores[:, l], k).indices.tolist())) for l in range(lt))
 
 
 def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, ridge: float,
-          device: str | torch.device | None = None):
-    """Select layers and solve the affine ridge maps for K and V.
+          device: str | torch.device | None = None, depth: int | None = None):
+    """Select layers (among the source's first ``depth``; None: all) and solve the affine ridge maps for K and V.
 
     Target layers that read the same source layers share one Cholesky factor; each layer's weights are
     then solved from its own columns of C, so the solve ``device`` holds one copy of G_SS, its factor and
@@ -275,18 +287,19 @@ def solve(stats: CalibrationStats, source_info, target_info, top_k: int | None, 
     """
     fs, ls = source_info.kv_features, source_info.num_layers
     ft, lt = target_info.kv_features, target_info.num_layers
-    k = ls if top_k is None else min(top_k, ls)
+    usable = ls if depth is None else min(depth, ls)
+    k = usable if top_k is None else min(top_k, usable)
     weights: dict[str, torch.Tensor] = {}
     selection: dict[str, tuple[tuple[int, ...], ...]] = {}
     report: dict[str, dict] = {}
     for kind in KINDS:
         s: KVStats = getattr(stats, kind)
-        if k == ls:
-            chosen = tuple(tuple(range(ls)) for _ in range(lt))
+        if k == usable:
+            chosen = tuple(tuple(range(usable)) for _ in range(lt))
             scores = None
         else:
             scores = single_layer_r2(s, fs, ls, ft, lt, ridge, device)
-            chosen = select_layers(scores, k)
+            chosen = select_layers(scores, k, usable)
         selection[kind] = chosen
         r2 = [0.0] * lt
         used_ridge = [ridge] * lt
@@ -391,16 +404,18 @@ def heldout_r2(mapper: Mapper, source: LoadedModel, target: LoadedModel, sequenc
 
 def plan_levers(config: FitConfig, report: dict, target_layers: int, state: int = 0) -> tuple[Lever, ...]:
     """The levers a fit adds: on ``lever_layers``, or on the ``lever_count`` layers of each lever kind with
-    the lowest fit R² of the plain map (where it loses most). ``state``: the source's hidden size."""
+    the lowest fit R² of the plain map (where it loses most) among those the target does not compute itself
+    (``native_layers``). ``state``: the source's hidden size."""
     if not config.has_levers:
         return ()
     levers = []
     for kind in config.lever_kinds:
         if config.lever_layers is not None:  # in range: fit_mapper checked before its first pass
             layers = config.lever_layers
-        else:
+        else:  # among the mapped layers: a native one needs no lever
             r2 = report[kind]["r2_fit"]
-            layers = tuple(sorted(sorted(range(target_layers), key=lambda j: r2[j])[: config.lever_count]))
+            mapped = range(config.native_layers, target_layers)
+            layers = tuple(sorted(sorted(mapped, key=lambda j: r2[j])[: config.lever_count]))
         levers += [config.lever(kind, j, state) for j in layers]
     return tuple(levers)
 
@@ -420,6 +435,9 @@ def check_geometry(config: FitConfig, source_layers: int, target_layers: int, ma
     if config.head_blocks is not None and kv_heads and any(h % config.head_blocks for h in kv_heads):
         raise InputError(f"--head-blocks {config.head_blocks} must divide both models' KV heads "
                          f"({kv_heads[0]} and {kv_heads[1]}); pass a common divisor of them.")
+    if config.source_depth is not None and config.source_depth > source_layers:
+        raise InputError(f"--source-depth {config.source_depth}: the source has {source_layers} layers; pass at most "
+                         "that (or leave it out).")
     if config.top_k is not None and config.top_k > source_layers:
         raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
                          "(or --top-k all for all of them).")
@@ -431,6 +449,16 @@ def check_geometry(config: FitConfig, source_layers: int, target_layers: int, ma
         if value > limit:  # recorded as runtime options: a value no prompt can honour would label native as mapped
             raise InputError(f"{flag} {value} exceeds the {limit} positions these models support; pass at most "
                              f"{limit}.")
+    if config.native_layers >= target_layers:
+        raise InputError(f"--native-layers {config.native_layers}: the target has {target_layers} layers and the map "
+                         f"must fill at least one; pass at most {target_layers - 1}.")
+    if config.has_levers and config.lever_layers and min(config.lever_layers) < config.native_layers:
+        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target computes its first "
+                         f"{config.native_layers} layers itself (--native-layers); put levers on layers "
+                         f"{config.native_layers} to {target_layers - 1}.")
+    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers - config.native_layers:
+        raise InputError(f"--lever-count {config.lever_count}: the map fills {target_layers - config.native_layers} "
+                         "target layers; pass at most that.")
     if config.has_levers and config.lever_layers is None and config.lever_count > target_layers:
         raise InputError(f"--lever-count {config.lever_count}: the target has {target_layers} layers; pass at most "
                          "that.")
@@ -483,7 +511,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     if not main_process:  # this process's share is in rank 0's statistics now
         return None
     solve_start = time.perf_counter()
-    weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge, device)
+    weights, selection, report = solve(stats, source.info, target.info, config.top_k, config.ridge, device,
+                                       config.source_depth)
     solve_seconds = time.perf_counter() - solve_start
     levers = plan_levers(config, report, target.info.num_layers, source_hidden_size(source.model))
     lever_report, tune_report, tune_seconds = {}, None, None
@@ -492,7 +521,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         for kind in {v.kind for v in levers}:
             scores = single_layer_r2(getattr(stats, kind), source.info.kv_features, source.info.num_layers,
                                      target.info.kv_features, target.info.num_layers, config.ridge, device)
-            best = select_layers(scores, min(config.lever_top_k, config.top_k or config.lever_top_k))
+            best = select_layers(scores, min(config.lever_top_k, config.top_k or config.lever_top_k),
+                                 config.source_depth)
             chosen = list(selection[kind])
             for v in levers:
                 if v.kind == kind:
@@ -566,8 +596,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     fit_info = {
         # (rank settings only when used: full-rank fits record what they always did, byte for byte)
         "settings": {k: v for k, v in asdict(config).items()
-                     if k not in ("rank", "rank_flops", "head_blocks") or v is not None}
-        | {"top_k": config.top_k or source.info.num_layers},
+                     if k not in ("rank", "rank_flops", "head_blocks", "source_depth", "native_layers") or v}
+        | {"top_k": config.top_k or config.source_depth or source.info.num_layers},
         "levers": lever_report,
         "tune": tune_report,
         "ridge_scaling": RIDGE_SCALING,
@@ -591,6 +621,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     weights.update(bigram_tables(fit_seqs, vocab))
     runtime = RuntimeOptions(hold_back=config.hold_back, recompute=float(config.recompute), sink=bool(config.sink),
                              recompute_by=config.recompute_by, recompute_window=config.recompute_window,
+                             native_layers=config.native_layers,
                              bigram_vocab=vocab,
                              bigram_pairs=int(weights["recompute.bigram.keys"].numel()))
     mapper = Mapper(MapperConfig(source=source.info, target=target.info, selection=selection, fit=fit_info,

@@ -44,7 +44,7 @@ from .evaluate import (
     paired_replicates,
     percentile_interval,
 )
-from .fit import FitConfig, fit_mapper
+from .fit import MAX_RIDGE, FitConfig, fit_mapper
 from .outputs import check_output_dir, save_figure, write_text
 from .transfer import Bridge
 
@@ -235,6 +235,24 @@ DEEP_BOTTLENECK = FrontierConfig(
     ),
     lengths=(256, 1024),  # about 35 minutes on 2 CPU cores
 )
+# the deep family's bottleneck computed, not mapped: the target's own first four layers (layers 0-3: the lost layer 3
+# needs the three below it) with the map filling the other four from the source's first D layers only (its prefill
+# stops there); against every source layer, and a control whose upper layers carry no information at all (the
+# largest ridge leaves each map its mean: what those layers are worth on these tasks)
+NATIVE4 = dict(FAMILY, native_layers=4)
+DEEP_NATIVE = FrontierConfig(
+    fit=FIT,
+    points=(
+        Point("lean, top-k 1 + recompute 4% by span", fit=LEAN, runtime=SPANS[0.04]),
+        Point("plain, every source layer + 4 native layers", fit=dict(native_layers=4)),
+        Point("plain, top-k 1 + 4 native layers", fit=NATIVE4),
+        Point("plain, top-k 1 of the first 2 source layers + 4 native layers", fit=dict(NATIVE4, source_depth=2)),
+        Point("plain, top-k 1 of the first source layer + 4 native layers", fit=dict(NATIVE4, source_depth=1)),
+        Point("4 native layers, the maps' means above them (control)", fit=dict(NATIVE4, source_depth=1,
+                                                                               ridge=MAX_RIDGE)),
+    ),
+    lengths=(256, 1024),
+)
 # the default family's side of the choice of kvbridge fit's source layers a map: one (the default) against every
 # source layer, plain and with the levers, at the deep-levers grid's lengths
 LAYERS = FrontierConfig(
@@ -249,7 +267,8 @@ LAYERS = FrontierConfig(
     lengths=(256, 1024),
 )
 GRIDS = {"full": FULL, "extended": EXTENDED, "tuning": TUNING, "values": VALUE_LEVER, "deep": DEEP,
-         "deep-levers": DEEP_LEVERS, "deep-bottleneck": DEEP_BOTTLENECK, "layers": LAYERS, "quick": QUICK}
+         "deep-levers": DEEP_LEVERS, "deep-bottleneck": DEEP_BOTTLENECK, "deep-native": DEEP_NATIVE, "layers": LAYERS,
+         "quick": QUICK}
 FAMILY_GRIDS = {"deep": "deep", "deep-pruned": "layers"}  # kvbridge frontier's grid per embedded family (else full)
 # the point kvbridge fit's defaults reproduce (FAMILY's source-layer counts included): the rule's pick at 2,048 tokens
 # in the run in docs/results (another run that day picked 3 %, its validation tie, faster inside timing noise):
@@ -308,8 +327,9 @@ def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     """The TTFT FLOP limit this point's kind of map would have at the Ministral-3 3B→8B geometry (plan arithmetic,
     :func:`kvbridge.bench_real.published_config`): its plain maps reading the same share of the source's layers and
     spending the same share of their full-rank FLOPs (head-matched maps: matched there too, one block per KV head),
-    its levers if it has the fit's default ones, its runtime options. None for a point with other levers (their
-    cost at that geometry is not planned here)."""
+    its levers if it has the fit's default ones, its runtime options; the same share of the source's layers run
+    (a map reading only the first ones) and of the target's layers computed natively. None for a point with other
+    levers (their cost at that geometry is not planned here)."""
     from .bench import path_flops
     from .bench_real import _published_infos, published_config
     from .fit import FitConfig
@@ -340,11 +360,15 @@ def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     heads = None if blocks == 1 else source.num_kv_heads if matched else blocks
     if heads is not None and (source.num_kv_heads % heads or target.num_kv_heads % heads):
         return None
+    depth = config.source_depth  # the same shares of the source's layers read and the target's computed natively
+    real_depth = None if depth >= config.source.num_layers else max(1, round(depth / config.source.num_layers
+                                                                             * source.num_layers))
+    native = round(bridge.native_layers / config.target.num_layers * target.num_layers)
     real = published_config(source, target, bool(config.levers), configs["ministral3-3b-text"].hidden_size,
-                            top_k=top_k, rank_fraction=fraction, head_blocks=heads)
+                            top_k=top_k, rank_fraction=fraction, head_blocks=heads, source_depth=real_depth)
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
     return prefill_flops(tgt, tokens, 1) / path_flops(src, tgt, real, tokens, bridge.hold_back, bridge.recompute,
-                                                      bridge.sink, bridge.recompute_by)
+                                                      bridge.sink, bridge.recompute_by, native)
 
 
 def fast_enough(p: dict) -> bool:
@@ -353,12 +377,18 @@ def fast_enough(p: dict) -> bool:
     return p["ttft_speedup"] - p["speedup_noise"] >= MIN_SPEEDUP
 
 
+def is_control(p: dict) -> bool:
+    """A control (its name ends "(control)") measures what a lever's choice adds; it is never recommended."""
+    return p["name"].endswith("(control)")
+
+
 def recommend(points: list[dict], validation: dict[str, list] | None = None) -> str | None:
-    """Among points fast enough (:func:`fast_enough`) at the headline length, the fastest that ties the best one's
+    """Among points fast enough (:func:`fast_enough`) at the headline length, controls left out (:func:`is_control`), the fastest that ties the best one's
     validation retention: the paired bootstrap interval of its validation retention minus the best's reaches zero
     (``validation``: name → the point's validation runs at that length; without it, exact equality). None when
     none is fast enough."""
-    eligible = [p for p in points if fast_enough(p) and p["validation_retention"] == p["validation_retention"]]
+    eligible = [p for p in points if fast_enough(p) and p["validation_retention"] == p["validation_retention"]
+                and not is_control(p)]
     if not eligible:
         return None
     if validation is not None and any(p["name"] not in validation for p in eligible):

@@ -106,7 +106,9 @@ class RuntimeOptions:
     is not longer); ``recompute``: fraction of the prefix
     tokens the target recomputes over the mapped cache (:mod:`kvbridge.recompute`), chosen by
     ``recompute_by`` averaged over a ``recompute_window`` of tokens (odd; 1: each token's own score, as
-    artifacts without the field were used); ``sink``: always recompute each row's first token.
+    artifacts without the field were used); ``sink``: always recompute each row's first token;
+    ``native_layers``: the target computes its first N layers' K/V itself over the whole prompt (its own prefill,
+    stopped there) in place of their maps — what a layer whose information the map cannot recover costs.
     """
 
     hold_back: int = 1
@@ -116,6 +118,7 @@ class RuntimeOptions:
     recompute_window: int = 1
     bigram_pairs: int = 0  # size of the bigram table the artifact carries for recompute_by="bigram" (0: none)
     bigram_vocab: int = 0
+    native_layers: int = 0
 
     def __post_init__(self):
         if not isinstance(self.hold_back, int) or self.hold_back < 1:
@@ -125,8 +128,9 @@ class RuntimeOptions:
         if self.recompute_by not in CRITERIA:
             raise ArtifactError(f"runtime recompute_by must be one of {', '.join(CRITERIA)}, not "
                                 f"{self.recompute_by!r}.")
-        for name in ("bigram_pairs", "bigram_vocab"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        for name in ("bigram_pairs", "bigram_vocab", "native_layers"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool) \
+                    or getattr(self, name) < 0:
                 raise ArtifactError(f"runtime {name} must be an integer >= 0, not {getattr(self, name)!r}.")
         if self.recompute_by == "bigram" and not (self.bigram_pairs and self.bigram_vocab):
             raise ArtifactError("runtime recompute_by 'bigram' needs the bigram table "
@@ -138,7 +142,8 @@ class RuntimeOptions:
                                 f"not {self.recompute_window!r}; the file was edited or is corrupted.")
 
     def override(self, hold_back: int | None = None, recompute: float | None = None, recompute_by: str | None = None,
-                 sink: bool | None = None, recompute_window: int | None = None) -> RuntimeOptions:
+                 sink: bool | None = None, recompute_window: int | None = None,
+                 native_layers: int | None = None) -> RuntimeOptions:
         """These options with a caller's overrides (None keeps the mapper's); bad values are the caller's
         mistake, so they raise :class:`~kvbridge.errors.InputError`, not ArtifactError."""
         from dataclasses import replace
@@ -159,22 +164,28 @@ class RuntimeOptions:
         if recompute_window is not None and not is_window(recompute_window):
             raise InputError(f"recompute_window must be an odd integer >= 1 (1: each token's own score), not "
                              f"{recompute_window!r}.")
+        if native_layers is not None and (not isinstance(native_layers, int) or isinstance(native_layers, bool)
+                                          or native_layers < 0):
+            raise InputError(f"native_layers must be an integer >= 0 (0: every layer mapped), not {native_layers!r}.")
         if recompute_by == "bigram" and not self.bigram_pairs:
             raise InputError("this mapper carries no bigram table (fitted by an older kvbridge): use "
                              "recompute_by='logit' or 'surprisal', or refit it.")
         given = dict(hold_back=hold_back, recompute=None if recompute is None else float(recompute),
-                     recompute_by=recompute_by, sink=sink, recompute_window=recompute_window)
+                     recompute_by=recompute_by, sink=sink, recompute_window=recompute_window,
+                     native_layers=native_layers)
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
         window = {} if self.recompute_window == 1 else {"recompute_window": self.recompute_window}  # (older files)
+        native = {"native_layers": self.native_layers} if self.native_layers else {}  # (older files)
         return {"hold_back": self.hold_back, "recompute": float(self.recompute), "recompute_by": self.recompute_by,
-                **window, "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab}
+                **window, "sink": self.sink, "bigram_pairs": self.bigram_pairs, "bigram_vocab": self.bigram_vocab,
+                **native}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RuntimeOptions:
         known = {k: data[k] for k in ("hold_back", "recompute", "recompute_by", "recompute_window", "sink",
-                                      "bigram_pairs", "bigram_vocab") if k in data}
+                                      "bigram_pairs", "bigram_vocab", "native_layers") if k in data}
         return cls(**known)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -245,6 +256,10 @@ class MapperConfig:
             if getattr(self.runtime, name) > limit:
                 raise ArtifactError(f"runtime {name} is {getattr(self.runtime, name)}, more than the {limit} positions "
                                     "the models support; the file was edited or is corrupted.")
+        if self.runtime.native_layers >= self.target.num_layers:
+            raise ArtifactError(f"runtime native_layers is {self.runtime.native_layers}, but the target has "
+                                f"{self.target.num_layers} layers (at least one must be mapped); the file was edited "
+                                "or is corrupted.")
         object.__setattr__(self, "ranks", {k: tuple(v) for k, v in self.ranks.items() if any(v)})
         for kind, ranks in self.ranks.items():
             if kind not in KINDS or len(ranks) != self.target.num_layers:
@@ -304,6 +319,11 @@ class MapperConfig:
     @property
     def max_lag(self) -> int:
         return max((max(v.lags) for v in self.levers), default=0)
+
+    @property
+    def source_depth(self) -> int:
+        """How many of the source's layers (its first) the maps read: its prefill for a transfer can stop there."""
+        return 1 + max(s for kind in KINDS for chosen in self.selection[kind] for s in chosen)
 
     @property
     def state_width(self) -> int:

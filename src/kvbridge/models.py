@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CompatibilityError, ModelLoadError, UnsupportedModelError
+from .errors import CompatibilityError, InputError, ModelLoadError, UnsupportedModelError
 from .hashing import sha256_bytes, sha256_json
 from .hub import is_hub_id, snapshot
 from .rope import RopeSpec, rope_spec
@@ -395,7 +395,7 @@ class _CacheComplete(Exception):
     """Raised by :func:`cache_only` once the last decoder layer has stored its keys and values."""
 
 
-def cache_only(decoder, kwargs: dict[str, Any], cache=None):
+def cache_only(decoder, kwargs: dict[str, Any], cache=None, depth: int | None = None):
     """The cache of ``decoder(**kwargs)`` without the work that only feeds its hidden states.
 
     The last layer's keys and values are projections of that layer's input; its attention, MLP and the final
@@ -403,6 +403,8 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
     the model's own code computes every stored value, so the cache equals the full forward's bit for bit (a
     test pins it) — which saves most of one layer of the model's L (nearly half of a 2-layer source, a 26th of
     Ministral 3 3B).
+    ``depth``: stop after layer ``depth - 1`` instead (the cache then holds the first ``depth`` layers: a map that
+    reads no deeper source layer, or a target computing its own lower layers, needs no more).
     A model whose attention does not store through ``cache.update``, or whose decoder has no ``layers``, simply
     runs to the end.
     """
@@ -413,7 +415,10 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
     kwargs = {**kwargs, **with_cache(cache)}
     if not hasattr(decoder, "layers"):  # not a stack kvbridge knows: the whole forward
         return cache_of(decoder(**kwargs))
-    last, update, own = len(decoder.layers) - 1, cache.update, vars(cache).get("update")
+    layers = len(decoder.layers)
+    if depth is not None and not 1 <= depth <= layers:
+        raise InputError(f"depth {depth}: the model has {layers} decoder layers; pass 1 to {layers}.")
+    last, update, own = (layers if depth is None else depth) - 1, cache.update, vars(cache).get("update")
 
     def stop_after_last(key_states, value_states, layer_idx, *args, **kw):
         out = update(key_states, value_states, layer_idx, *args, **kw)
@@ -435,9 +440,10 @@ def cache_only(decoder, kwargs: dict[str, Any], cache=None):
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-            logits: str = "all", cache=None):
+            logits: str = "all", cache=None, depth: int | None = None):
     """Run ``model`` over a (left-padded) batch; returns ``(cache, logits)``. ``cache``: a cache of earlier
-    tokens to continue (``attention_mask`` then covers them too).
+    tokens to continue (``attention_mask`` then covers them too). ``depth`` (with ``logits="none"`` only): the
+    first ``depth`` layers' cache (:func:`cache_only`).
 
     ``logits``: ``"all"`` positions, ``"last"`` (what a serving prefill computes), ``"none"`` (the cache
     only: a source prefill for transfer needs no vocabulary projection, nor the last layer's attention and MLP,
@@ -451,8 +457,10 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
                   position_ids=position_ids.to(device), use_cache=True)
     if cache is not None:
         kwargs.update(with_cache(cache))
+    if depth is not None and logits != "none":
+        raise InputError(f"prefill computes the first {depth} layers only for logits='none', not {logits!r}.")
     if logits == "none":
-        return cache_only(model.get_decoder(), kwargs, cache), None
+        return cache_only(model.get_decoder(), kwargs, cache, depth), None
     if logits == "hidden":
         out = model.get_decoder()(**kwargs)
         return cache_of(out), out.last_hidden_state
@@ -461,8 +469,10 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
 
 
 def cache_kv(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer (B, H, T, D) keys (RoPE applied) and values of a transformers cache."""
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    """Per-layer (B, H, T, D) keys (RoPE applied) and values of a transformers cache: its first layers that hold
+    any (a prefill stopped early, :func:`cache_only`'s ``depth``, leaves the deeper ones empty)."""
+    layers = [layer for layer in cache.layers if layer.keys is not None]
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def make_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]):

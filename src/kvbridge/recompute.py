@@ -449,6 +449,7 @@ def selective_recompute(bridge, ids: torch.Tensor, mask: torch.Tensor, owing: bo
     source_cache, hidden, scores = source_scores(bridge, ids, mask, positions, stored)
     cache = bridge.map_cache(source_cache, positions, hidden if bridge.mapper.config.reads_state else None,
                              stored.mapped if stored else None)
+    cache = bridge.native_lower(cache, ids, mask, positions)
     mask = mask.to(scores.device)
     scored = (mask == 1) & (torch.nn.functional.pad(mask[:, :-1], (1, 0)) == 1)  # a row's first token has no score
     scores = window_mean(scores, scored, bridge.recompute_window)

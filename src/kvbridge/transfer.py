@@ -168,20 +168,25 @@ class Bridge(PromptBatches):
 
     def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int | None = None,
                  allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
-                 sink: bool | None = None, recompute_by: str | None = None, recompute_window: int | None = None):
-        """``hold_back``, ``recompute``, ``recompute_by``, ``recompute_window`` and ``sink`` default to the mapper's
-        runtime options."""
+                 sink: bool | None = None, recompute_by: str | None = None, recompute_window: int | None = None,
+                 native_layers: int | None = None):
+        """``hold_back``, ``recompute``, ``recompute_by``, ``recompute_window``, ``sink`` and ``native_layers``
+        default to the mapper's runtime options."""
         check_parts(source, target, mapper)
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
-        options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink, recompute_window)
+        options = mapper.config.runtime.override(hold_back, recompute, recompute_by, sink, recompute_window,
+                                                 native_layers)
+        if options.native_layers >= mapper.config.target.num_layers:
+            raise InputError(f"native_layers={options.native_layers}: the target has {mapper.config.target.num_layers} "
+                             "layers and at least one must be mapped; pass fewer (or mode='native').")
         limit = position_limit(source.info.max_positions, target.info.max_positions)
         for name in ("hold_back", "recompute_window"):
             if getattr(options, name) > limit:
                 raise InputError(f"{name}={getattr(options, name)} exceeds the {limit} positions these models "
                                  f"support; pass at most {limit}.")
         self.recompute, self.recompute_by, self.sink = options.recompute, options.recompute_by, options.sink
-        self.recompute_window = options.recompute_window
+        self.recompute_window, self.native_layers = options.recompute_window, options.native_layers
         self.chunk_tokens = chunk_tokens
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, options.hold_back
@@ -216,6 +221,11 @@ class Bridge(PromptBatches):
         """Whether the target recomputes chosen prefix tokens (selective recompute or a native sink)."""
         return self.recompute > 0 or self.sink
 
+    @property
+    def runs_target(self) -> bool:
+        """Whether building the cache runs the target's weights (chosen tokens recomputed, or its first layers)."""
+        return self.selects_tokens or self.native_layers > 0
+
     @torch.no_grad()
     def source_prefill(self, ids: torch.Tensor, mask: torch.Tensor, stored: Stored | None = None,
                        state: bool | None = None):
@@ -225,9 +235,12 @@ class Bridge(PromptBatches):
         the engine that served them (warm transfer); the source then runs over the remaining tokens only."""
         positions = positions_from_mask(mask)
         state = self.mapper.config.reads_state if state is None else state
+        depth = None if state else self.source_depth  # a state needs every layer; a cache only what the maps read
         if stored is None or stored.tokens == 0:
-            cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden" if state else "none")
-            return cache, positions, hidden
+            if state:
+                cache, hidden = prefill(self.source.model, ids, mask, positions, logits="hidden")
+                return cache, positions, hidden
+            return prefill(self.source.model, ids, mask, positions, logits="none", depth=depth)[0], positions, None
         n = stored.tokens
         if ids.shape[0] != 1 or not bool(mask.all()) or n > ids.shape[1]:
             raise InputError(f"stored source K/V cover the first tokens of one unpadded prompt; got a batch of "
@@ -238,12 +251,31 @@ class Bridge(PromptBatches):
         if len(keys) != self.mapper.config.source.num_layers or any(k.shape[2] != n for k in keys + values) or \
                 stored.hidden.shape[:2] != (1, n):
             raise InputError("the stored source K/V do not match the source model's layers or the stored length.")
-        cache = make_cache(model, keys, values)
+        cache = make_cache(model, keys[:depth], values[:depth])
         hidden = stored.hidden.to(param.device, param.dtype)
         if n < ids.shape[1]:  # the source computes the rest over its own stored K/V
-            cache, rest = prefill(model, ids[:, n:], mask, positions[:, n:], "hidden" if state else "none", cache)
+            cache, rest = prefill(model, ids[:, n:], mask, positions[:, n:], "hidden" if state else "none", cache,
+                                  depth)
             hidden = torch.cat([hidden, rest], dim=1) if state else None
         return cache, positions, hidden if state else None
+
+    @property
+    def source_depth(self) -> int | None:
+        """The source layers a transfer's source prefill runs (None: all): the deepest one the maps read."""
+        depth = self.mapper.config.source_depth
+        return None if depth >= self.mapper.config.source.num_layers else depth
+
+    def native_lower(self, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        """``cache`` (mapped, over the same columns) with its first :attr:`native_layers` layers replaced by the
+        target's own K/V: the target's prefill over those columns, stopped after that many layers."""
+        if not self.native_layers:
+            return cache
+        device = next(self.target.model.parameters()).device
+        own, _ = prefill(self.target.model, ids.to(device), mask.to(device), positions.to(device), logits="none",
+                         depth=self.native_layers)
+        for layer, mine in zip(cache.layers[: self.native_layers], own.layers):
+            layer.keys, layer.values = mine.keys, mine.values
+        return cache
 
     def map_cache(self, source_cache, positions: torch.Tensor, state: torch.Tensor | None = None,
                   premapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
@@ -258,7 +290,8 @@ class Bridge(PromptBatches):
         to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`.
         ``stored``: the source's own K/V of the prompt's first tokens (warm transfer, :meth:`source_prefill`)."""
         if not self.selects_tokens:
-            return self.map_cache(*self.source_prefill(ids, mask, stored), stored.mapped if stored else None)
+            cache = self.map_cache(*self.source_prefill(ids, mask, stored), stored.mapped if stored else None)
+            return self.native_lower(cache, ids, mask, positions_from_mask(mask))
         return selective_recompute(self, ids, mask, owing, stored)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):

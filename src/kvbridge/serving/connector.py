@@ -194,12 +194,12 @@ def worker_heads(num_kv_heads: int, tensor_parallel: int) -> slice:
 
 def target_copy(config: ServeConfig, runtime, dtype: torch.dtype):
     """The target as the connector's worker loads it beside the engine's own weights: a transformers copy of its
-    weights only when ``runtime`` (the mapper's options with the server's overrides) recomputes chosen tokens with
-    them (selective recompute, a native sink); otherwise its config and rotary module, what the map's RoPE needs
-    (on the real 8B in bfloat16 the copy would be another 15.8 GiB on the engine's device)."""
+    weights only when ``runtime`` (the mapper's options with the server's overrides) runs them (selective
+    recompute, a native sink, the target's own first layers); otherwise its config and rotary module, what the map's
+    RoPE needs (on the real 8B in bfloat16 the copy would be another 15.8 GiB on the engine's device)."""
     from ..models import load_model, load_rope_model
 
-    load = load_model if runtime.recompute > 0 or runtime.sink else load_rope_model
+    load = load_model if runtime.recompute > 0 or runtime.sink or runtime.native_layers else load_rope_model
     return load(config.target, device=config.device, dtype=dtype)
 
 
@@ -289,16 +289,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
         bridge = Bridge(source, target, mapper, allow_revision_mismatch=self.config.allow_revision_mismatch,
                         **self.config.runtime)
         recompute = (f"the target recomputes {bridge.recompute:.0%} of each prefix's tokens by "
-                     f"{bridge.recompute_by} (window {bridge.recompute_window}) inside the connector, with a "
-                     "transformers copy of its weights" if bridge.selects_tokens else
-                     "no selective recompute (the target's config and RoPE loaded, not its weights)")
+                     f"{bridge.recompute_by} (window {bridge.recompute_window}) inside the connector"
+                     if bridge.selects_tokens else "no selective recompute")
+        if bridge.native_layers:
+            recompute += f", its first {bridge.native_layers} layers computed over each prompt, not mapped"
+        recompute += (", with a transformers copy of its weights" if bridge.runs_target else
+                      " (the target's config and RoPE loaded, not its weights)")
         logger.info("kvbridge connector: %s -> %s with %s, hold-back %d, %s; %s, %s", self.config.source,
                     self.config.target, self.config.mapper, bridge.hold_back, recompute, self.config.device, dtype)
         if self.tensor_parallel > 1:
             logger.info("kvbridge connector: each of the %d tensor-parallel workers runs the source and the whole map "
                         "and writes its share of the target's heads%s", self.tensor_parallel,
                         "; each holds its own transformers copy of the target's weights for the recompute (a map "
-                        "without recompute needs none)" if bridge.selects_tokens else "")
+                        "without recompute needs none)" if bridge.runs_target else "")
         if self.config.store:
             from ..models import source_hidden_size
             from .store import identity
@@ -391,7 +394,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         # (blocks from memory were checked finite when loaded; checked again, as the folder's are:
                         # without any torch op before them, the cache writes from memory stalled in 8 of 16 turns
                         # on the 2-core machine, cascade-memory-plain-shuffled.json)
-                        if ahead.tokens == len(token_ids) and not self._bridge.selects_tokens and all(
+                        if ahead.tokens == len(token_ids) and not self._bridge.runs_target and all(
                                 all_finite((k, v)) for k, v, _, _ in ahead.parts):
                             # the map's output is all this map needs: the source's entries are not read, only
                             # marked used (the scheduler counts them: they must not be evicted first), off the
