@@ -383,10 +383,10 @@ def is_control(p: dict) -> bool:
 
 
 def recommend(points: list[dict], validation: dict[str, list] | None = None) -> str | None:
-    """Among points fast enough (:func:`fast_enough`) at the headline length, controls left out (:func:`is_control`), the fastest that ties the best one's
-    validation retention: the paired bootstrap interval of its validation retention minus the best's reaches zero
-    (``validation``: name → the point's validation runs at that length; without it, exact equality). None when
-    none is fast enough."""
+    """Among points fast enough (:func:`fast_enough`) at the headline length, controls left out
+    (:func:`is_control`), the fastest that ties the best one's validation retention: the paired bootstrap interval
+    of its validation retention minus the best's reaches zero (``validation``: name → the point's validation runs at
+    that length; without it, exact equality). None when none is fast enough."""
     eligible = [p for p in points if fast_enough(p) and p["validation_retention"] == p["validation_retention"]
                 and not is_control(p)]
     if not eligible:
