@@ -270,12 +270,16 @@ def test_the_recompute_window_is_a_runtime_option_older_artifacts_lack(pair, tmp
     assert RuntimeOptions.from_dict(plain).recompute_window == 1  # an artifact without the field: as before
 
 
-def test_frontier_quick_writes_its_three_files(tmp_path, capsys):
+def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
+    import kvbridge.frontier
+
+    monkeypatch.setattr(kvbridge.frontier, "MIN_SPEEDUP", float("-inf"))  # some point is recommended at any speed
     assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "frontier.json").read_text())
     assert report["fit"]["seed"] == 3  # every fit of the grid used it
     names = [p["name"] for p in report["points"]]
-    assert report["recommended"] in names + [None] and set(report["pareto"]) <= set(names)
+    assert report["recommended"] in names and set(report["pareto"]) <= set(names)
+    assert not report["recommended"].endswith("(control)")
     assert report["headline_tokens"] == 256 and report["lengths"] == [128, 256]
     for p in report["points"]:
         assert {"name", "levers", "tasks", "mean_floor_normalized_retention", "ttft_speedup", "context_tokens",
@@ -295,13 +299,19 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys):
         for t in p["tasks"]:
             assert (f"{t['task']}@{t['context_tokens']}" in p["source_beats_mapped"]) == (
                 t["mapped_minus_source_95"][1] < 0)
+            assert (f"{t['task']}@{t['context_tokens']}" in p["mapped_beats_source"]) == (
+                t["mapped_minus_source_95"][0] > 0)
     levered = next(p for p in report["points"] if p["levers"]["mapper"])
     assert levered["levers"]["mapper"][0]["lags"] == [0, 1, 2]
     blind = next(p for p in report["points"] if p["levers"]["runtime"].get("recompute_by") == "random")
     assert blind["levers"]["runtime"]["recompute"] == 0.1  # the control spends the same budget
+    lo, hi = blind["recommended_minus_control_95"]["heldout"]  # the recommended point against the control, paired
+    assert lo <= hi and "recommended_minus_control_95" not in levered
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "frontier.md").read_text()
     assert "Held-out @256" in table and "at 256 tokens" in table
+    assert "Recommended minus *plain + recompute 10% at random (control)*" in table
+    assert "beats the source alone beyond noise" in table
 
 
 def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_interval():

@@ -157,6 +157,8 @@ MAPPER_JSON_EDITS = {
     "runtime criterion unknown": _set(("runtime",), {"recompute_by": "magic"}),
     "runtime window even": _set(("runtime",), {"recompute_window": 4}),
     "runtime window 0": _set(("runtime",), {"recompute_window": 0}),
+    "runtime native layers -1": _set(("runtime",), {"native_layers": -1}),
+    "runtime every layer native": _set(("runtime",), {"native_layers": 99}),
     "levers not a list": _set(("levers",), {"kind": "key"}),
     "lever of a missing layer": _set(("levers",), [{"kind": "key", "layer": 9}]),
     "lever with a bad kind": _set(("levers",), [{"kind": "query", "layer": 0}]),
@@ -465,6 +467,9 @@ def test_bad_cli_inputs_are_one_line_errors(fitted, tmp_path, capsys):
     out = ["--out", str(tmp_path / "m")]
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--seq-len", "100000"], capsys, "positions")
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--top-k", "99"], capsys, "--top-k 99")
+    _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--native-layers", "3"], capsys, "--native-layers 3")
+    _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--source-depth", "5"], capsys, "--source-depth 5")
+    _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--source-depth", "0"], capsys, "--source-depth")
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--ridge", "inf"], capsys, "--ridge")
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--ridge", "1e300"], capsys, "--ridge")
     _fails(["fit", *pair, "--texts", texts, *out, *FAST, "--device", "bogus"], capsys, "not a device")

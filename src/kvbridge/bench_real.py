@@ -202,6 +202,10 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
             ("plain, top-k 1", False, plain, dict(top_k=1)),
             ("plain, rank at 25 % of the FLOPs", False, plain, dict(rank_fraction=0.25)),
             ("plain, head-matched (8 KV heads: head h → head h)", False, plain, dict(head_blocks=8)),
+            ("plain, top-k 1 + the target's first 4 layers native (`--native-layers 4`)", False,
+             dict(plain, native_layers=4), dict(top_k=1)),
+            ("plain, top-k 1 of the first 6 source layers + the target's first 17 native (the deep family's "
+             "shares)", False, dict(plain, native_layers=17), dict(top_k=1, source_depth=6)),
             (name, True, defaults, dict(top_k=d.top_k)),
             ("the same, top-k 4", True, defaults, dict(top_k=4)),
             ("the same, every source layer", True, defaults, {}),

@@ -179,7 +179,7 @@ QUICK = FrontierConfig(
             Point("lags + MLP, tuned", fit=dict(LAGS, mlp_hidden=16, repeat_spans=0.5, lever_objective="output",
                                                 tune_steps=10)),
             Point("plain + recompute 10%", runtime=RECOMPUTE[0.1]),
-            Point("plain + recompute 10% at random", runtime=dict(RECOMPUTE[0.1], recompute_by="random"))),
+            Point("plain + recompute 10% at random (control)", runtime=dict(RECOMPUTE[0.1], recompute_by="random"))),
     lengths=(128, 256), items=8, validation_items=6, ttft_trials=3, ttft_warmup=1, ttft_rounds=3,
 )
 
@@ -400,13 +400,13 @@ def recommend(points: list[dict], validation: dict[str, list] | None = None) -> 
             return True
         if validation is None:
             return p["validation_retention"] >= best["validation_retention"]
-        p["validation_minus_best_95"] = validation_difference(validation[p["name"]], validation[best["name"]])
+        p["validation_minus_best_95"] = paired_difference(validation[p["name"]], validation[best["name"]])
         return p["validation_minus_best_95"][1] >= 0
 
     return max((p for p in eligible if ties(p)), key=lambda p: p["ttft_speedup"])["name"]
 
 
-def validation_difference(runs: list, best: list) -> tuple[float, float]:
+def paired_difference(runs: list, best: list) -> tuple[float, float]:
     """95 % paired bootstrap interval of capped retention of ``runs`` minus that of ``best`` (the same rows)."""
     split = len(runs)
 
@@ -446,6 +446,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     mappers: dict[tuple, object] = {}
     references: dict[str, list] = {}
     kept_validation: dict[str, list] = {}
+    kept_heldout: dict[str, list] = {}
     points = []
 
     def tasks_of(bridge, texts, items, length, tag):
@@ -468,7 +469,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
             runs[n] = tasks_of(bridge, heldout, config.items, n, f"heldout@{n}")
             val[n] = tasks_of(bridge, validation, val_rows[n], n, f"validation@{n}")
             _say(f"[{time.perf_counter() - start:5.0f} s] {point.name}: tasks at {n} tokens done", progress)
-        kept_validation[point.name] = [val[headline]]
+        kept_validation[point.name], kept_heldout[point.name] = [val[headline]], [runs[headline]]
         tasks = []
         for n, run in runs.items():
             for r in run:
@@ -506,11 +507,19 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
             "mapper_parameters": mappers[key].config.num_parameters(),
             "key_r2_heldout": fit.get("key_r2_heldout"),
             "source_beats_mapped": [f"{t['task']}@{t['context_tokens']}" for t in tasks if t["below_source"]],
+            "mapped_beats_source": [f"{t['task']}@{t['context_tokens']}" for t in tasks
+                                    if t["mapped_minus_source_95"][0] > 0],
         })
         _say(f"[{time.perf_counter() - start:5.0f} s] {point.name}: held-out retention (capped) "
              + ", ".join(f"{100 * v['retention']:.1f}% at {v['ttft_speedup']:.2f}× @{n}" for n, v in by_length.items())
              + f"; validation {100 * here['validation_retention']:.1f}% @{headline}", progress)
-    report = {"points": points, "recommended": recommend(points, kept_validation), "pareto": pareto(points),
+    chosen = recommend(points, kept_validation)
+    for p in points:  # what the recommended point keeps beyond each control, paired by document
+        if chosen and is_control(p):
+            p["recommended_minus_control_95"] = {
+                "heldout": paired_difference(kept_heldout[chosen], kept_heldout[p["name"]]),
+                "validation": paired_difference(kept_validation[chosen], kept_validation[p["name"]])}
+    report = {"points": points, "recommended": chosen, "pareto": pareto(points),
               "min_ttft_speedup": MIN_SPEEDUP, "headline_tokens": headline, "lengths": list(lengths),
               "items": config.items, "validation_documents": config.validation_items,
               "validation_rows": {str(n): v for n, v in val_rows.items()}, "predictable_recall": config.predictable,
@@ -558,6 +567,19 @@ def frontier_table(report: dict) -> str:
                      + f" | {p['map_mflop_per_token']:.2f} | " + (f"{real:.2f}× | " if real else "— | ")
                      + f"{', '.join(p['source_beats_mapped']) or '—'} |")
     lines.append("")
+    chosen = next((p for p in report["points"] if p["name"] == report["recommended"]), None)
+    if chosen is not None and "mapped_beats_source" in chosen:
+        cells = [f"{t['task']}@{t['context_tokens']}" for t in chosen["tasks"]]
+        short = [c for c in cells if c not in chosen["mapped_beats_source"]]
+        lines += [f"The recommended point's mapped target beats the source alone beyond noise (paired interval of "
+                  f"mapped − source above zero) on {len(cells) - len(short)} of {len(cells)} task cells"
+                  + (f"; not on {', '.join(short)}." if short else "."), ""]
+    for p in report["points"]:
+        if "recommended_minus_control_95" in p:
+            d = p["recommended_minus_control_95"]
+            lines += [f"Recommended minus *{p['name']}*, paired 95 % intervals in points: held-out "
+                      f"[{100 * d['heldout'][0]:+.1f}, {100 * d['heldout'][1]:+.1f}], validation "
+                      f"[{100 * d['validation'][0]:+.1f}, {100 * d['validation'][1]:+.1f}].", ""]
     tasks = "five family tasks (recall of the document's own text included)" if report.get("predictable_recall") \
         else "four family tasks"
     rows = ", ".join(f"{v} at {m}" for m, v in report["validation_rows"].items())
