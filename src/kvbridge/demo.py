@@ -75,7 +75,7 @@ def _side_by_side(plain: list, recommended: list) -> str:
 def shipped_mapper(cfg: DemoConfig, plain: bool = False) -> Mapper | None:
     """The family's shipped recommended (``plain``: plain) mapper, when it is what ``cfg`` would fit (its recorded fit
     settings equal ``cfg.fit``'s, with :data:`PLAIN` for the plain one); None otherwise (then the demo fits it)."""
-    from dataclasses import asdict
+    from .fit import recorded_settings
 
     try:
         mapper = Mapper.from_pretrained(family.mapper_path(plain))
@@ -83,8 +83,9 @@ def shipped_mapper(cfg: DemoConfig, plain: bool = False) -> Mapper | None:
         return None
     fit = replace(cfg.fit, **PLAIN) if plain else cfg.fit
     settings = dict(mapper.config.fit.get("settings") or {})
-    expected = asdict(fit) | {"top_k": fit.top_k or mapper.config.source.num_layers}
-    same = all(settings.get(k) == (list(v) if isinstance(v, tuple) else v) for k, v in expected.items())
+    expected = recorded_settings(fit, mapper.config.source.num_layers)
+    same = all(settings.get(k) == (list(v) if isinstance(v, tuple) else v) for k, v in expected.items()) and all(
+        k in expected for k in settings)  # and nothing recorded that this config would not record (native layers)
     return mapper if same else None
 
 

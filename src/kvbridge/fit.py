@@ -594,10 +594,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         "torch_threads": torch.get_num_threads(),
     }
     fit_info = {
-        # (rank settings only when used: full-rank fits record what they always did, byte for byte)
-        "settings": {k: v for k, v in asdict(config).items()
-                     if k not in ("rank", "rank_flops", "head_blocks", "source_depth", "native_layers") or v}
-        | {"top_k": config.top_k or config.source_depth or source.info.num_layers},
+        "settings": recorded_settings(config, source.info.num_layers),
         "levers": lever_report,
         "tune": tune_report,
         "ridge_scaling": RIDGE_SCALING,
@@ -634,6 +631,17 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
             fit_info[f"{kind}_r2_heldout_mean"] = sum(held[kind]) / len(held[kind])
         fit_info["heldout_sequences"] = int(held_seqs.shape[0])
     return mapper
+
+
+# settings recorded only when used: a fit without them records what fits always did, byte for byte
+OPTIONAL_SETTINGS = ("rank", "rank_flops", "head_blocks", "source_depth", "native_layers")
+
+
+def recorded_settings(config: FitConfig, source_layers: int) -> dict:
+    """The fit settings mapper.json records: every FitConfig field but the :data:`OPTIONAL_SETTINGS` left at their
+    defaults, and ``top_k`` as the count of source layers a map reads."""
+    return ({k: v for k, v in asdict(config).items() if k not in OPTIONAL_SETTINGS or v}
+            | {"top_k": config.top_k or config.source_depth or source_layers})
 
 
 def _ids_sha(ids: torch.Tensor) -> str:
