@@ -111,6 +111,11 @@ def cache_prefill_flops(config, tokens: int, past: int = 0, depth: int | None = 
     return prefill_flops(config, tokens, 0, past) * whole / layers + 2.0 * tokens * d * (heads + 2 * kv) * hd
 
 
+def native_layers_flops(target_config, tokens: int, native_layers: int) -> float:
+    """FLOPs of the target computing its own first ``native_layers`` layers' cache over ``tokens`` (0: none)."""
+    return cache_prefill_flops(target_config, tokens, depth=native_layers) if native_layers else 0.0
+
+
 def source_flops(source_config, mapper: Mapper | MapperConfig, tokens: int, hidden: bool = False) -> float:
     """FLOPs of the source prefill a transfer runs: the whole decoder when the map (or, with ``hidden``, the
     recompute criterion) reads its final hidden states, else only what fills the cache."""
@@ -163,8 +168,7 @@ def path_flops(source_config, target_config, mapper: Mapper | MapperConfig, toke
     else:
         flops = source_flops(source_config, mapper, prefix, hidden=selects and reads_source_state(recompute_by))
     flops += map_flops(mapper, prefix)
-    if native_layers:
-        flops += cache_prefill_flops(target_config, prefix, depth=native_layers)
+    flops += native_layers_flops(target_config, prefix, native_layers)
     if selects:
         n = int(recompute_counts(recompute, torch.tensor([prefix]), sink)[0])  # as the runtime counts them
         flops += recompute_flops(target_config, n, prefix)
@@ -282,8 +286,7 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
         f_source = batch * source_flops(bridge.source.model.config, bridge.mapper, tokens)  # as timed above
-        f_native_layers = batch * (cache_prefill_flops(bridge.target.model.config, tokens, depth=bridge.native_layers)
-                                   if bridge.native_layers else 0.0)
+        f_native_layers = batch * native_layers_flops(bridge.target.model.config, tokens, bridge.native_layers)
         f_ttft = mapped_ttft_flops(bridge, tokens, batch)
         rows.append(BenchRow(
             context_tokens=tokens,

@@ -290,8 +290,9 @@ class Bridge(PromptBatches):
         to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`.
         ``stored``: the source's own K/V of the prompt's first tokens (warm transfer, :meth:`source_prefill`)."""
         if not self.selects_tokens:
-            cache = self.map_cache(*self.source_prefill(ids, mask, stored), stored.mapped if stored else None)
-            return self.native_lower(cache, ids, mask, positions_from_mask(mask))
+            source_cache, positions, state = self.source_prefill(ids, mask, stored)
+            cache = self.map_cache(source_cache, positions, state, stored.mapped if stored else None)
+            return self.native_lower(cache, ids, mask, positions)
         return selective_recompute(self, ids, mask, owing, stored)
 
     def prefix_cache(self, mode: Mode, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False):
