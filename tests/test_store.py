@@ -3,6 +3,8 @@ from stored source K/V equal to the one from a fresh source prefill."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -106,10 +108,21 @@ def test_writes_are_atomic_and_a_failed_write_leaves_nothing(tmp_path, monkeypat
     assert store.entries() == [] and not list((tmp_path / "entries" / "cd").iterdir())
 
 
-def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path):
+def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path, monkeypatch):
+    """The cap holds at every moment: when an entry lands, the folder with it is within the cap (a reader counting
+    the folder between a write and its eviction never sees more)."""
+    from kvbridge.serving import store as store_module
+
     one = len(__import__("safetensors.torch").torch.save(
         {"key": block(0)[0], "value": block(0)[1], "hidden": block(0)[2], "ids": torch.zeros(BT, dtype=torch.int64)}))
     store = KVStore(tmp_path, block_tokens=BT, cap_bytes=20 * (one + 400), create=True)
+    replace = store_module.os.replace
+
+    def landing(tmp, path):
+        assert store.size() + Path(tmp).stat().st_size <= store.cap_bytes
+        replace(tmp, path)
+
+    monkeypatch.setattr(store_module.os, "replace", landing)
     prompts = [[1000 + p] + list(range(2 * BT - 1)) for p in range(50)]
     keep = prompts[0]
     for p in prompts:

@@ -29,7 +29,7 @@ by the target's connector instead of mapping the block.
 Writes go to a temporary file renamed into place, so a killed writer or a full disk never leaves a partial entry
 under a key; a reader checks identity, token ids, shapes and the CRC and skips (and counts) an entry that fails any
 of them. The store never grows past ``cap_bytes``: each writer evicts
-the least recently used entries (readers touch what they read) once the total would pass it.
+the least recently used entries (readers touch what they read) before an entry that would pass it lands.
 
 The folder is all the state there is: both engines on one machine share it (``/dev/shm`` keeps it in memory); a
 deployment over several nodes would put the same entries in a shared object store or LMCache's remote backend.
@@ -250,6 +250,9 @@ class KVStore:
         meta = {"format": MAPPED_FORMAT if map_id else FORMAT, "version": str(VERSION), "identity": identity_,
                 "parent": parent, "key": key, "crc32": f"{crc:08x}"}
         data = save(tensors, metadata=meta)
+        if len(data) > self.cap_bytes:  # could never be kept under the cap
+            return False
+        self._make_room(len(data))  # before the entry lands: the folder never holds more than the cap, even briefly
         tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +262,6 @@ class KVStore:
         except OSError:  # a full disk, a removed folder: no entry, and no partial file under any key
             tmp.unlink(missing_ok=True)
             return False
-        self._grew(len(data))
         if map_id:
             self.announce(path)
         return True
@@ -315,15 +317,17 @@ class KVStore:
         """A block's mapped entry (``key``: the block's; for a tail, its parent's) beside its source entry."""
         return self.root / "entries" / key[:2] / f"{key}{'.tail' if tail else ''}{mapped_suffix(map_id)}"
 
-    def _grew(self, nbytes: int) -> None:
+    def _make_room(self, nbytes: int) -> None:
+        """Count an entry of ``nbytes`` about to be written, evicting first if the store would pass its cap with it.
+        The count errs high (a replaced tail, a write that then fails), never low, within one process; other writers'
+        entries are counted at each rescan."""
         with self._lock:
             self._writes += 1
             if self._estimate is None or self._writes % RESCAN_WRITES == 0:  # other writers may share the folder
                 self._estimate = self.size()
-            else:
-                self._estimate += nbytes
-            if self._estimate > self.cap_bytes:
-                self._estimate = self.evict(self.cap_bytes * 9 // 10)  # some room, so that not every write scans
+            if self._estimate + nbytes > self.cap_bytes:  # some room beyond, so that not every write scans
+                self._estimate = self.evict(max(self.cap_bytes * 9 // 10 - nbytes, 0))
+            self._estimate += nbytes
 
     def touch(self, keys: list[str], map_id: str | None = None) -> None:
         """Mark these blocks used now (a request read them from the engine's own prefix cache), and their mapped
