@@ -274,9 +274,10 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
     import kvbridge.frontier
 
     monkeypatch.setattr(kvbridge.frontier, "MIN_SPEEDUP", float("-inf"))  # some point is recommended at any speed
-    assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--out", str(tmp_path)]) == 0
+    assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--items", "9", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "frontier.json").read_text())
     assert report["fit"]["seed"] == 3  # every fit of the grid used it
+    assert report["items"] == 9  # the held-out rows asked for (the quick grid's own: 8)
     names = [p["name"] for p in report["points"]]
     assert report["recommended"] in names and set(report["pareto"]) <= set(names)
     assert not report["recommended"].endswith("(control)")
@@ -301,6 +302,9 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
                 t["mapped_minus_source_95"][1] < 0)
             assert (f"{t['task']}@{t['context_tokens']}" in p["mapped_beats_source"]) == (
                 t["mapped_minus_source_95"][0] > 0)
+            lead = next(q for q in report["points"][0]["tasks"] if q["task"] == t["task"]
+                        and q["context_tokens"] == t["context_tokens"])["native_minus_source_95"]
+            assert t["native_minus_source_95"] == lead and lead[0] <= lead[1]  # the target's own, one per cell
     levered = next(p for p in report["points"] if p["levers"]["mapper"])
     assert levered["levers"]["mapper"][0]["lags"] == [0, 1, 2]
     blind = next(p for p in report["points"] if p["levers"]["runtime"].get("recompute_by") == "random")
@@ -311,7 +315,7 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
     table = (tmp_path / "frontier.md").read_text()
     assert "Held-out @256" in table and "at 256 tokens" in table
     assert "Recommended minus *plain + recompute 10% at random (control)*" in table
-    assert "beats the source alone beyond noise" in table
+    assert "beats the source alone beyond noise" in table and "The target itself (native)" in table
 
 
 def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_interval():

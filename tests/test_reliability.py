@@ -457,6 +457,9 @@ def test_output_paths_are_checked_before_the_work(fitted, tmp_path, capsys):
     _fails(["diagnose", *pair, "--mapper", str(mapper), "--texts", texts, "--out", str(a_file)], capsys, "is a file")
     _fails(["demo", "--out", str(a_file)], capsys, "is a file")
     _fails(["frontier", "--out", str(a_file / "x"), "--quick"], capsys, "is a file")
+    for items, says in (("3", "at least 4"), ("100000", "rows of 128 tokens")):  # before any fit, nothing written
+        _fails(["frontier", "--out", str(tmp_path / "f"), "--quick", "--items", items], capsys, says)
+        assert not (tmp_path / "f").exists()
     assert a_file.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 

@@ -445,13 +445,14 @@ def percentile_interval(values: list[float], level: float = 0.95) -> tuple[float
     return values[int((1 - level) / 2 * len(values))], values[min(len(values) - 1, int((1 + level) / 2 * len(values)))]
 
 
-def mapped_minus_source(result: TaskResult, replicates: int = 1000, seed: int = 0, level: float = 0.95
-                        ) -> tuple[float, float]:
-    """Paired bootstrap interval of the mapped score minus the source's over a task's documents, in the task's
-    own unit, signed so that below zero means the mapped cache does worse (perplexity: the source's mean NLL per
-    token minus the mapped one's). "Below the source" is only said when the whole interval is below zero."""
+def mapped_minus_source(result: TaskResult, replicates: int = 1000, seed: int = 0, level: float = 0.95,
+                        mode: str = "mapped") -> tuple[float, float]:
+    """Paired bootstrap interval of the mapped score (``mode="native"``: the target's own) minus the source's over a
+    task's documents, in the task's own unit, signed so that below zero means the mapped cache does worse
+    (perplexity: the source's mean NLL per token minus the mapped one's). "Below the source" is only said when the
+    whole interval is below zero."""
     sign = 1.0 if result.higher_is_better else -1.0
-    diff = [sign * (m - s) for m, s in zip(result.per_item["mapped"], result.per_item["source"])]
+    diff = [sign * (m - s) for m, s in zip(result.per_item[mode], result.per_item["source"])]
     runs = [[replace(result, per_item={"mapped": diff, "native": diff, "source": diff}, higher_is_better=True)]]
     return bootstrap_interval(runs, replicates, seed, level, statistic=lambda drawn: drawn[0].mapped)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, time_ms
+from .errors import InputError
 from .evaluate import (
     bootstrap_interval,
     capped_mean_retention,
@@ -279,8 +280,6 @@ RECOMMENDED = "lean + recompute 4% by span"
 def split_validation(tokenizer, texts: list[str], items: int, length: int) -> tuple[list[str], list[str]]:
     """(fit texts, validation texts): the ``items`` shortest documents with at least ``length`` tokens are kept for
     validation (whole documents, and as little text as that many documents allow taken from the fit)."""
-    from .errors import InputError
-
     sizes = [(len(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]), i) for i, t in enumerate(texts)]
     chosen = sorted((n, i) for n, i in sizes if n >= length)[:items]
     if len(chosen) < items:
@@ -431,22 +430,27 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
                  out: str | Path, progress: bool = True) -> dict:
     """Measure every point; write DIR/frontier.json, frontier.md, frontier.png; return the JSON."""
     out = check_output_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     lengths, headline = tuple(config.lengths), config.headline_length
     if headline not in lengths:
-        from .errors import InputError
-
         raise InputError(f"the headline length {headline} is not one of the measured lengths {list(lengths)}.")
     tok = target.tokenizer
+    if config.items < 4:
+        raise InputError(f"{config.items} held-out rows: the cloze task needs at least 4.")
+    for n in lengths:  # before minutes of fitting
+        if rows_available(tok, heldout, n) < config.items:
+            raise InputError(f"the held-out texts give {rows_available(tok, heldout, n)} rows of {n} tokens, packed "
+                             f"end to end; {config.items} were asked for. Ask for fewer items or pass more texts.")
     fit_texts, validation = split_validation(tok, calibration, config.validation_items,
                                              min(VALIDATION_TOKENS, max(lengths)))
+    out.mkdir(parents=True, exist_ok=True)
     # rows per length: one per document while enough are that long, else documents packed end to end
     val_rows = {n: min(config.validation_items, rows_available(tok, validation, n)) for n in lengths}
     mappers: dict[tuple, object] = {}
     references: dict[str, list] = {}
     kept_validation: dict[str, list] = {}
     kept_heldout: dict[str, list] = {}
+    leads: dict[tuple, list] = {}
     points = []
 
     def tasks_of(bridge, texts, items, length, tag):
@@ -474,11 +478,14 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
         for n, run in runs.items():
             for r in run:
                 lo, hi = mapped_minus_source(r)
+                if (n, r.task) not in leads:  # the target's own lead over the source (the same for every point)
+                    leads[n, r.task] = list(mapped_minus_source(r, mode="native"))
                 tasks.append({"task": r.task, "context_tokens": n, "native": r.native, "mapped": r.mapped,
                               "source": r.source, "floor": r.floor, "higher_is_better": r.higher_is_better,
                               "floor_normalized_retention": r.floor_normalized_retention,
                               "counted": counted(r),
-                              "mapped_minus_source_95": [lo, hi], "below_source": hi < 0})
+                              "mapped_minus_source_95": [lo, hi], "below_source": hi < 0,
+                              "native_minus_source_95": leads[n, r.task]})
         by_length = {}
         for n in lengths:
             timing = ttft(bridge, n, config.ttft_warmup, config.ttft_trials, config.ttft_rounds)
@@ -569,11 +576,19 @@ def frontier_table(report: dict) -> str:
     lines.append("")
     chosen = next((p for p in report["points"] if p["name"] == report["recommended"]), None)
     if chosen is not None and "mapped_beats_source" in chosen:
-        cells = [f"{t['task']}@{t['context_tokens']}" for t in chosen["tasks"]]
-        short = [c for c in cells if c not in chosen["mapped_beats_source"]]
+        cells = chosen["tasks"]
+        short = [f"{t['task']}@{t['context_tokens']} [{_points(t, 'mapped_minus_source_95')}]" for t in cells
+                 if f"{t['task']}@{t['context_tokens']}" not in chosen["mapped_beats_source"]]
         lines += [f"The recommended point's mapped target beats the source alone beyond noise (paired interval of "
                   f"mapped − source above zero) on {len(cells) - len(short)} of {len(cells)} task cells"
-                  + (f"; not on {', '.join(short)}." if short else "."), ""]
+                  + (f"; not on {', '.join(short)}." if short else ".")]
+        if all("native_minus_source_95" in t for t in chosen["tasks"]):
+            tied = [f"{t['task']}@{t['context_tokens']} [{_points(t, 'native_minus_source_95')}]"
+                    for t in chosen["tasks"] if t["native_minus_source_95"][0] <= 0]
+            lines[-1] += (f" The target itself (native) does not beat the source beyond noise on "
+                          f"{', '.join(tied)}: no transfer could show it there with these items." if tied else
+                          " The target itself (native) beats the source beyond noise on every cell.")
+        lines.append("")
     for p in report["points"]:
         if "recommended_minus_control_95" in p:
             d = p["recommended_minus_control_95"]
@@ -594,6 +609,12 @@ def frontier_table(report: dict) -> str:
                  f"retention minus the best one's reaches zero. Below source: the paired interval of mapped − source "
                  f"lies below zero. ◆ Pareto front at {n:,} tokens. {report['device']}, batch 1.")
     return "\n".join(lines)
+
+
+def _points(task: dict, key: str) -> str:
+    """A task's interval in its own unit: points for a score, NLL per token for perplexity."""
+    lo, hi = task[key]
+    return f"{lo:+.2f}, {hi:+.2f} NLL" if not task["higher_is_better"] else f"{100 * lo:+.1f}, {100 * hi:+.1f}"
 
 
 def plot_frontier(report: dict, path) -> None:
