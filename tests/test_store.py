@@ -110,16 +110,19 @@ def test_writes_are_atomic_and_a_failed_write_leaves_nothing(tmp_path, monkeypat
 
 def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path, monkeypatch):
     """The cap holds at every moment: when an entry lands, the folder with it is within the cap (a reader counting
-    the folder between a write and its eviction never sees more)."""
+    the folder between a write and its eviction never sees more), counting an entry another thread of this process
+    has made room for and is still writing (not in the folder yet, so not in a recount or an eviction's count)."""
     from kvbridge.serving import store as store_module
 
     one = len(__import__("safetensors.torch").torch.save(
         {"key": block(0)[0], "value": block(0)[1], "hidden": block(0)[2], "ids": torch.zeros(BT, dtype=torch.int64)}))
     store = KVStore(tmp_path, block_tokens=BT, cap_bytes=20 * (one + 400), create=True)
     replace = store_module.os.replace
+    writing = one + 400  # another thread's entry, counted, not landed
+    assert store._make_room(writing)
 
     def landing(tmp, path):
-        assert store.size() + Path(tmp).stat().st_size <= store.cap_bytes
+        assert store.size() + Path(tmp).stat().st_size + writing <= store.cap_bytes
         replace(tmp, path)
 
     monkeypatch.setattr(store_module.os, "replace", landing)
@@ -132,6 +135,12 @@ def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path, monkeypatch)
     assert store.lookup(chain_seed(ME, None), ME, keep, 100).tokens == 2 * BT
     assert store.lookup(chain_seed(ME, None), ME, prompts[1], 100).tokens == 0
     assert KVStore(tmp_path).size() == store.size()
+
+
+def test_an_entry_larger_than_the_cap_is_not_stored(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, cap_bytes=1000, create=True)  # one block takes about 1.8 kB
+    assert not store.put("ab" + "0" * 62, "p", ME, list(range(BT)), *block(0))
+    assert store.entries() == [] and store.size() == 0
 
 
 def test_store_settings_are_checked(tmp_path):

@@ -337,9 +337,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the context length the recommendation is made and headlined at, one of the grid's lengths "
                          "(default: the longest, 2,048; quick: 256)")
     fr.add_argument("--items", type=int, default=None, metavar="N",
-                    help="held-out rows per length (default: the grid's, 48; quick: 8); beyond the documents that "
-                         "long, documents packed end to end. More rows narrow every interval: a small difference, "
-                         "such as the target's lead over the source on cloze, needs more than 48")
+                    help="held-out rows per length (default: the grid's, 48; quick: 8); when too few documents are "
+                         "that long, documents packed end to end. More rows narrow every interval: a small "
+                         "difference, such as the target's lead over the source on cloze, needs more than 48")
     fr.add_argument("--seed", type=int, default=None,
                     help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
                          "another seed to see how much of a difference between points is the fit's chance")

@@ -448,9 +448,9 @@ def percentile_interval(values: list[float], level: float = 0.95) -> tuple[float
 def mapped_minus_source(result: TaskResult, replicates: int = 1000, seed: int = 0, level: float = 0.95,
                         mode: str = "mapped") -> tuple[float, float]:
     """Paired bootstrap interval of the mapped score (``mode="native"``: the target's own) minus the source's over a
-    task's documents, in the task's own unit, signed so that below zero means the mapped cache does worse
-    (perplexity: the source's mean NLL per token minus the mapped one's). "Below the source" is only said when the
-    whole interval is below zero."""
+    task's documents, in the task's own unit, signed so that below zero means that mode does worse than the source
+    (perplexity: the source's mean NLL per token minus the mode's). "Below the source" is only said when the whole
+    interval is below zero."""
     sign = 1.0 if result.higher_is_better else -1.0
     diff = [sign * (m - s) for m, s in zip(result.per_item[mode], result.per_item["source"])]
     runs = [[replace(result, per_item={"mapped": diff, "native": diff, "source": diff}, higher_is_better=True)]]

@@ -584,9 +584,10 @@ def frontier_table(report: dict) -> str:
                   + (f"; not on {', '.join(short)}." if short else ".")]
         if all("native_minus_source_95" in t for t in chosen["tasks"]):
             tied = [f"{t['task']}@{t['context_tokens']} [{_points(t, 'native_minus_source_95')}]"
-                    for t in chosen["tasks"] if t["native_minus_source_95"][0] <= 0]
+                    for t in chosen["tasks"] if not t["native_minus_source_95"][0] > 0]  # NaN: not beyond noise
             lines[-1] += (f" The target itself (native) does not beat the source beyond noise on "
-                          f"{', '.join(tied)}: no transfer could show it there with these items." if tied else
+                          f"{', '.join(tied)}: a transfer that matches the target is not expected to show it there "
+                          "with these items." if tied else
                           " The target itself (native) beats the source beyond noise on every cell.")
         lines.append("")
     for p in report["points"]:
@@ -612,9 +613,11 @@ def frontier_table(report: dict) -> str:
 
 
 def _points(task: dict, key: str) -> str:
-    """A task's interval in its own unit: points for a score, NLL per token for perplexity."""
+    """A task's interval in its own unit, positive where the first mode does better: points for a score, NLL per
+    token saved for perplexity."""
     lo, hi = task[key]
-    return f"{lo:+.2f}, {hi:+.2f} NLL" if not task["higher_is_better"] else f"{100 * lo:+.1f}, {100 * hi:+.1f}"
+    return f"{lo:+.2f}, {hi:+.2f} NLL/token saved" if not task["higher_is_better"] else \
+        f"{100 * lo:+.1f}, {100 * hi:+.1f} points"
 
 
 def plot_frontier(report: dict, path) -> None:

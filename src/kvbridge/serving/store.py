@@ -224,6 +224,7 @@ class KVStore:
             raise InputError(f"the KV store's cap must be positive, not {self.cap_bytes}.")
         self._lock = threading.Lock()
         self._estimate: int | None = None  # bytes in the store as this process last counted them
+        self._pending = 0  # bytes this process's threads have counted but not yet written
         self._writes = 0
 
     def path(self, key: str) -> Path:
@@ -241,8 +242,11 @@ class KVStore:
         path = self.mapped_path(parent if tail else key, map_id, tail) if map_id else \
             self.tail_path(parent) if tail else self.path(key)
         if not tail and path.exists():  # the same block of the same model: already stored
-            os.utime(path)
-            return True
+            try:
+                os.utime(path)
+                return True
+            except FileNotFoundError:  # evicted meanwhile: store it again
+                pass
         tensors = {"key": keys.contiguous(), "value": values.contiguous(), "ids": torch.tensor(ids, dtype=torch.int64)}
         if not map_id:
             tensors["hidden"] = hidden.contiguous()
@@ -250,9 +254,8 @@ class KVStore:
         meta = {"format": MAPPED_FORMAT if map_id else FORMAT, "version": str(VERSION), "identity": identity_,
                 "parent": parent, "key": key, "crc32": f"{crc:08x}"}
         data = save(tensors, metadata=meta)
-        if len(data) > self.cap_bytes:  # could never be kept under the cap
+        if not self._make_room(len(data)):  # before the entry lands: this writer never passes the cap, even briefly
             return False
-        self._make_room(len(data))  # before the entry lands: the folder never holds more than the cap, even briefly
         tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -262,6 +265,9 @@ class KVStore:
         except OSError:  # a full disk, a removed folder: no entry, and no partial file under any key
             tmp.unlink(missing_ok=True)
             return False
+        finally:
+            with self._lock:
+                self._pending -= len(data)
         if map_id:
             self.announce(path)
         return True
@@ -317,17 +323,23 @@ class KVStore:
         """A block's mapped entry (``key``: the block's; for a tail, its parent's) beside its source entry."""
         return self.root / "entries" / key[:2] / f"{key}{'.tail' if tail else ''}{mapped_suffix(map_id)}"
 
-    def _make_room(self, nbytes: int) -> None:
-        """Count an entry of ``nbytes`` about to be written, evicting first if the store would pass its cap with it.
-        The count errs high (a replaced tail, a write that then fails), never low, within one process; other writers'
-        entries are counted at each rescan."""
+    def _make_room(self, nbytes: int) -> bool:
+        """Count an entry of ``nbytes`` about to be written, evicting first if the store would pass its cap with it;
+        False (nothing to write) when it cannot fit. Entries this process's threads are still writing count as
+        written (``_pending``: not in the folder yet, so not in a recount). The count errs high (a replaced tail, a
+        write that then fails), never low, within one process; other writers' entries are counted at each rescan."""
         with self._lock:
             self._writes += 1
             if self._estimate is None or self._writes % RESCAN_WRITES == 0:  # other writers may share the folder
-                self._estimate = self.size()
+                self._estimate = self.size() + self._pending
             if self._estimate + nbytes > self.cap_bytes:  # some room beyond, so that not every write scans
-                self._estimate = self.evict(max(self.cap_bytes * 9 // 10 - nbytes, 0))
+                room = self.cap_bytes * 9 // 10 - nbytes - self._pending
+                self._estimate = self.evict(max(room, 0)) + self._pending
+                if self._estimate + nbytes > self.cap_bytes:  # larger than the cap, or entries that would not go
+                    return False
             self._estimate += nbytes
+            self._pending += nbytes
+            return True
 
     def touch(self, keys: list[str], map_id: str | None = None) -> None:
         """Mark these blocks used now (a request read them from the engine's own prefix cache), and their mapped
