@@ -438,9 +438,10 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     if config.items < 4:
         raise InputError(f"{config.items} held-out rows: the cloze task needs at least 4.")
     for n in lengths:  # before minutes of fitting
-        if rows_available(tok, heldout, n) < config.items:
-            raise InputError(f"the held-out texts give {rows_available(tok, heldout, n)} rows of {n} tokens, packed "
-                             f"end to end; {config.items} were asked for. Ask for fewer items or pass more texts.")
+        available = rows_available(tok, heldout, n)
+        if available < config.items:
+            raise InputError(f"the held-out texts give {available} rows of {n} tokens, packed end to end; "
+                             f"{config.items} were asked for. Ask for fewer items or pass more texts.")
     fit_texts, validation = split_validation(tok, calibration, config.validation_items,
                                              min(VALIDATION_TOKENS, max(lengths)))
     out.mkdir(parents=True, exist_ok=True)
@@ -513,8 +514,8 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
             "map_mflop_per_token": map_flops(mappers[key], 1) / 1e6,
             "mapper_parameters": mappers[key].config.num_parameters(),
             "key_r2_heldout": fit.get("key_r2_heldout"),
-            "source_beats_mapped": [f"{t['task']}@{t['context_tokens']}" for t in tasks if t["below_source"]],
-            "mapped_beats_source": [f"{t['task']}@{t['context_tokens']}" for t in tasks
+            "source_beats_mapped": [cell_name(t) for t in tasks if t["below_source"]],
+            "mapped_beats_source": [cell_name(t) for t in tasks
                                     if t["mapped_minus_source_95"][0] > 0],
         })
         _say(f"[{time.perf_counter() - start:5.0f} s] {point.name}: held-out retention (capped) "
@@ -577,13 +578,13 @@ def frontier_table(report: dict) -> str:
     chosen = next((p for p in report["points"] if p["name"] == report["recommended"]), None)
     if chosen is not None and "mapped_beats_source" in chosen:
         cells = chosen["tasks"]
-        short = [f"{t['task']}@{t['context_tokens']} [{_points(t, 'mapped_minus_source_95')}]" for t in cells
-                 if f"{t['task']}@{t['context_tokens']}" not in chosen["mapped_beats_source"]]
+        short = [f"{cell_name(t)} [{_points(t, 'mapped_minus_source_95')}]" for t in cells
+                 if cell_name(t) not in chosen["mapped_beats_source"]]
         lines += [f"The recommended point's mapped target beats the source alone beyond noise (paired interval of "
                   f"mapped − source above zero) on {len(cells) - len(short)} of {len(cells)} task cells"
                   + (f"; not on {', '.join(short)}." if short else ".")]
         if all("native_minus_source_95" in t for t in chosen["tasks"]):
-            tied = [f"{t['task']}@{t['context_tokens']} [{_points(t, 'native_minus_source_95')}]"
+            tied = [f"{cell_name(t)} [{_points(t, 'native_minus_source_95')}]"
                     for t in chosen["tasks"] if not t["native_minus_source_95"][0] > 0]  # NaN: not beyond noise
             lines[-1] += (f" The target itself (native) does not beat the source beyond noise on "
                           f"{', '.join(tied)}: a transfer that matches the target is not expected to show it there "
@@ -610,6 +611,11 @@ def frontier_table(report: dict) -> str:
                  f"retention minus the best one's reaches zero. Below source: the paired interval of mapped − source "
                  f"lies below zero. ◆ Pareto front at {n:,} tokens. {report['device']}, batch 1.")
     return "\n".join(lines)
+
+
+def cell_name(task: dict) -> str:
+    """A task cell as frontier.json names it: ``task@length``."""
+    return f"{task['task']}@{task['context_tokens']}"
 
 
 def _points(task: dict, key: str) -> str:
