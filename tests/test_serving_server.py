@@ -196,6 +196,11 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     # of the connector's time, the writes into the engine's cache (read from /metrics per way)
     assert 0 < conversation["warm_write_ms"] <= conversation["warm_connector_ms"], conversation
     assert "writing into the engine's paged cache" in cascade_table(report)
+    # prewarmed: the source's copy asked for it, the target's server loaded the conversation before the switch, and
+    # the escalated turn found the history's full blocks in the prefix cache, with warm's answer
+    assert row["prewarm_landed"] == 1.0 and row["prewarmed_equals_warm"] == 1.0, row
+    assert conversation["prewarmed_cached_tokens"] >= 256 and row["prewarmed_cached_fraction"] > 0.5, conversation
+    assert "Prewarmed (the source asked" in cascade_table(report)
 
 
 def test_the_engine_benchmark_reports_the_connector_and_the_ceiling(server):

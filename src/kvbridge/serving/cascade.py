@@ -8,14 +8,16 @@ conversation's blocks in the store and maps them — the source does not prefill
 computes the new turn and the held-back tokens itself, over them, and answers.
 
 ``kvbridge cascade-bench`` measures that scenario: conversations built from held-out text whose first two turns the
-source answers, then an escalated third turn sent to the target six ways, one after another in a random order of
+source answers, then an escalated third turn sent to the target seven ways, one after another in a random order of
 each conversation's own — native (the target re-prefills the whole history), warm (the stored history read as mapped
 ahead unless ``--no-map-ahead``, from the target connector's memory where it loaded them, the new turn computed by
 the target: ``kvbridge_native_rest``), warm from the folder (as warm, the blocks mapped ahead read from the store's
 folder: ``kvbridge_store: "folder"``), warm with every token mapped (the source prefills the new turn for the
 mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at the switch (as warm, the stored source K/V
-mapped when the turn arrives, blocks mapped ahead ignored: ``kvbridge_store: "source"``) and cold (mapped from a
-fresh source prefill inside the connector, ``kvbridge_store: false``) — each on a stored copy of its own of the
+mapped when the turn arrives, blocks mapped ahead ignored: ``kvbridge_store: "source"``), cold (mapped from a
+fresh source prefill inside the connector, ``kvbridge_store: false``) and prewarmed (as warm, on a copy whose source
+request asked the target's server to load it ahead, ``kvbridge_prewarm``: :mod:`kvbridge.serving.prewarm`; the turn
+waits for that load) — each on a stored copy of its own of the
 conversation, with each request's time to its first streamed token, and the escalated answers compared token by
 token. The native request sent again finds the whole history in the target's own prefix cache: the time to first
 token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this engine.
@@ -33,10 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import KVBridgeError
-from .bench import MAP_SECONDS, metric
+from .bench import CACHE_HITS, MAP_SECONDS, metric
+from .config import PREWARM
 
-WAYS = ("native", "warm", "folder", "whole", "remap", "cold")
-COPIES = ("folder", "whole", "remap")  # ways reading a stored copy of the conversation of their own (their salt)
+WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
+# ways reading a stored copy of the conversation of their own (their salt); prewarmed's copy asks for prewarming
+COPIES = ("folder", "whole", "remap", "prewarmed")
+REQUESTS = "vllm:kvbridge_requests_total"  # the target's requests the connector saw (a prewarm is one)
+PREWARM_WAIT_S = 10.0  # the longest the benchmark waits for the target to load a conversation ahead
 STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 HOT = "vllm:kvbridge_hot_tokens_total"
@@ -88,6 +94,14 @@ class CascadeRow:
     source_baseline_answer_ms: float | None = None
     source_answer_ratio: float | None = None
     source_answers_equal: float | None = None
+    # prewarmed: the conversation loaded into the target's prefix cache before the switch (serve-source's prewarm)
+    prewarmed_ttft_ms: float | None = None
+    prewarmed_speedup: float | None = None
+    prewarmed_connector_ms: float | None = None
+    prewarmed_equals_warm: float | None = None  # share of conversations whose escalated answers are identical
+    prewarmed_cached_fraction: float | None = None  # median share of the prompt found in the target's prefix cache
+    prewarm_landed: float | None = None  # share of conversations the target had prewarmed before the switch
+    prewarm_wait_ms: float | None = None  # median time from the source's answer to the prewarm's end
 
 
 def default_store() -> str:
@@ -206,7 +220,17 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             # the same turn under other salts (greedy: the same answer), so that the conversation is stored again
             # for each way that reads a copy of its own (one salt would make it a prefix-cache hit)
             for way in COPIES:
-                await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-{way}")
+                if way == "prewarmed":
+                    before = await asyncio.to_thread(metric, target_url, REQUESTS)
+                await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-{way}",
+                            params={PREWARM: True} if way == "prewarmed" else None)
+            # the prewarm request is the target's: the escalation waits for it (it would run beside a way's turn)
+            wait_start, landed = time.perf_counter(), False
+            while not landed and time.perf_counter() - wait_start < PREWARM_WAIT_S:
+                landed = await asyncio.to_thread(metric, target_url, REQUESTS) > before
+                if not landed:
+                    await asyncio.sleep(0.02)
+            prewarm = {"prewarm_landed": landed, "prewarm_wait_ms": 1000 * (time.perf_counter() - wait_start)}
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
             # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
             # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
@@ -217,11 +241,11 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped",
-                          "kvbridge_store": {"warm": True, "folder": "folder", "whole": True,
-                                             "remap": "source"}.get(way, False),
+                          "kvbridge_store": {"warm": True, "folder": "folder", "whole": True, "remap": "source",
+                                             "prewarmed": True}.get(way, False),
                           "kvbridge_native_rest": 0 if way == "whole" else native_rest}
                 before = {m: await asyncio.to_thread(metric, target_url, m)
-                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS, WRITE_SECONDS)}
+                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS, WRITE_SECONDS, CACHE_HITS)}
                 # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
                 # the others keep their own so that no way reads another's blocks from the target's prefix cache
                 ttft, _, tokens, _ = await _turn(target, target_model, messages, new_tokens, params,
@@ -234,18 +258,23 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
                 if way == "native":  # the same request again: the history is in the target's prefix cache
                     row["cached_ms"] = (await _turn(target, target_model, messages, new_tokens, params,
                                                     f"{salt}-native"))[0]
+                if way == "prewarmed":  # what the engine found in its prefix cache (the connector loaded the rest)
+                    row["prewarmed_cached_tokens"] = await asyncio.to_thread(metric, target_url, CACHE_HITS) - \
+                        before[CACHE_HITS]
                 if way == "warm":
                     row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
                     row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
                     row["hot_tokens"] = await asyncio.to_thread(metric, target_url, HOT) - before[HOT]
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
             row["source_turns"] = turns
+            row.update(prewarm)
             if i >= warmup:
                 results.append(row)
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
                      f"{row['warm'][0]:.1f} ms (from the folder {row['folder'][0]:.1f} ms), all mapped "
                      f"{row['whole'][0]:.1f} ms, mapped at the switch "
-                     f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms")
+                     f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms, prewarmed "
+                     f"{row['prewarmed'][0]:.1f} ms")
     finally:
         for c in (source, target, baseline):
             if c is not None:
@@ -350,9 +379,16 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
             warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
             cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
-            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"), **_source_cost(results)))
+            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"),
+            prewarmed_ttft_ms=med["prewarmed"], prewarmed_speedup=med["native"] / med["prewarmed"],
+            prewarmed_connector_ms=connector("prewarmed"), prewarmed_equals_warm=same("prewarmed", "warm"),
+            prewarmed_cached_fraction=statistics.median(r["prewarmed_cached_tokens"] / t
+                                                        for r, t in zip(results, lengths)),
+            prewarm_landed=sum(r["prewarm_landed"] for r in results) / n,
+            prewarm_wait_ms=statistics.median(r["prewarm_wait_ms"] for r in results), **_source_cost(results)))
         raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
-                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens")} |
+                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens",
+                                          "prewarmed_cached_tokens", "prewarm_landed", "prewarm_wait_ms")} |
                        {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in WAYS if w != "native"
                         for name in ("connector", "write")} |
                        ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
@@ -373,7 +409,7 @@ def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) 
     return percentile_interval([statistics.median(rng.choices(values, k=len(values))) for _ in range(replicates)])
 
 
-SHORT = ("warm", "folder", "whole", "remap", "cached")  # the ways whose turns skip most of the prefill
+SHORT = ("warm", "folder", "whole", "remap", "prewarmed", "cached")  # the ways whose turns skip most of the prefill
 
 
 def per_conversation(report: dict) -> dict:
@@ -385,10 +421,19 @@ def per_conversation(report: dict) -> dict:
     out = {}
     for h, rows in report["conversations"].items():
         entry = {}
-        if rows and "folder" in rows[0]:
-            paired = [r["folder"]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows]
-            entry["folder_minus_warm_ms"] = statistics.median(paired)
-            entry["folder_minus_warm_interval"] = median_interval(paired)
+        for way in ("folder", "prewarmed"):
+            if rows and way in rows[0]:
+                paired = [r[way]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows]
+                entry[f"{way}_minus_warm_ms"] = statistics.median(paired)
+                entry[f"{way}_minus_warm_interval"] = median_interval(paired)
+        # native ÷ each short way, conversation by conversation (native and the way a few seconds apart: the drift
+        # of a shared machine's speed over the run cancels; the medians' ratio in the table does not pair them)
+        for way in ("warm", "prewarmed", "cached"):
+            if rows and (way == "cached" or way in rows[0]):
+                ratios = [r["native"]["ttft_ms"] / (r["cached_ttft_ms"] if way == "cached" else r[way]["ttft_ms"])
+                          for r in rows]
+                entry[f"{way}_paired_speedup"] = statistics.median(ratios)
+                entry[f"{way}_paired_speedup_interval"] = median_interval(ratios)
         stalled, excess, turns = 0, 0.0, 0
         for way in (w for w in SHORT if rows and (w == "cached" or w in rows[0])):
             times = [r["cached_ttft_ms"] if way == "cached" else r[way]["ttft_ms"] for r in rows]
@@ -405,17 +450,19 @@ def per_conversation(report: dict) -> dict:
 
 
 def cascade_table(report: dict) -> str:
-    lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Warm, from the folder | Warm, all mapped | "
+    lines = ["| History tokens | Native TTFT | **Warm** (new turn native) | Prewarmed | Warm, from the folder | "
+             "Warm, all mapped | "
              "Mapped at the switch | Cold | Ceiling (prefix-cache hit) | Connector: warm / from the folder / all "
              "mapped / at the switch / cold | Prefix from the store (mapped ahead; from memory) | Tokens = native: "
-             "warm / all mapped / cold | All mapped = cold; at the switch = warm |", "|" + "---:|" * 12]
+             "warm / all mapped / cold | All mapped = cold; at the switch = warm |", "|" + "---:|" * 13]
     for r in report["rows"]:
         def way(name: str) -> str:
             if name + "_ttft_ms" not in r:  # (a file from before that way)
                 return "—"
             return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
 
-        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | {way('folder')} "
+        lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | "
+                     f"{way('prewarmed') if r.get('prewarmed_ttft_ms') is not None else '—'} | {way('folder')} "
                      f"| {way('whole')} | {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms "
                      f"({r['ceiling_speedup']:.2f}×) | {r['warm_connector_ms']:.1f} / "
                      f"{r.get('folder_connector_ms', float('nan')):.1f} / "
@@ -425,13 +472,32 @@ def cascade_table(report: dict) -> str:
                      f"{r['warm_token_agreement']:.0%} / "
                      f"{r['whole_token_agreement']:.0%} / {r['cold_token_agreement']:.0%} | "
                      f"{r['whole_equals_cold']:.0%}; {r['remap_equals_warm']:.0%} |")
+    prewarmed = [r for r in report["rows"] if r.get("prewarmed_ttft_ms") is not None]
+    if prewarmed:
+        lines += ["", "Prewarmed (the source asked the target's server to load the conversation ahead; the turn "
+                  "waited for it): " + "; ".join(
+                      f"history {r['history_tokens']:,}: loaded before the switch in {r['prewarm_landed']:.0%} of "
+                      f"conversations, {r['prewarm_wait_ms']:.0f} ms after the source's answer (median); at the "
+                      f"switch {r['prewarmed_cached_fraction']:.0%} of the prompt was in the target's prefix cache, "
+                      f"the connector took {r['prewarmed_connector_ms']:.1f} ms; answers = "
+                      f"warm's in {r['prewarmed_equals_warm']:.0%}" for r in prewarmed)]
     extra = report.get("per_conversation") or per_conversation(report)  # (files from before it: computed)
-    paired = {h: e for h, e in extra.items() if "folder_minus_warm_ms" in e}
-    if paired:
-        lines += ["", "Paired per conversation, the folder way's TTFT minus warm's (median, 95 % bootstrap interval): "
-                  + "; ".join(f"history {h} {e['folder_minus_warm_ms']:+.1f} ms "
-                              f"[{e['folder_minus_warm_interval'][0]:+.1f}, {e['folder_minus_warm_interval'][1]:+.1f}]"
-                              for h, e in paired.items())]
+    for way, name in (("folder", "the folder way's"), ("prewarmed", "prewarmed's")):
+        paired = {h: e for h, e in extra.items() if f"{way}_minus_warm_ms" in e}
+        if paired:
+            lines += ["", f"Paired per conversation, {name} TTFT minus warm's (median, 95 % bootstrap interval): "
+                      + "; ".join(f"history {h} {e[f'{way}_minus_warm_ms']:+.1f} ms "
+                                  f"[{e[f'{way}_minus_warm_interval'][0]:+.1f}, "
+                                  f"{e[f'{way}_minus_warm_interval'][1]:+.1f}]" for h, e in paired.items())]
+    speedups = {h: e for h, e in extra.items() if "warm_paired_speedup" in e}
+    if speedups:
+        names = (("warm", "warm"), ("prewarmed", "prewarmed"), ("cached", "ceiling"))
+        lines += ["", "Native ÷ the way, paired per conversation (median, 95 % bootstrap interval): " + "; ".join(
+            f"history {h} " + ", ".join(f"{name} {e[f'{way}_paired_speedup']:.2f}× "
+                                        f"[{e[f'{way}_paired_speedup_interval'][0]:.2f}, "
+                                        f"{e[f'{way}_paired_speedup_interval'][1]:.2f}]"
+                                        for way, name in names if f"{way}_paired_speedup" in e)
+            for h, e in speedups.items())]
     lines += ["", "Stalls (turns of the short ways and the ceiling over twice their way's median): "
               + "; ".join(f"history {h} {e['stalled_share']:.0%} of them, up to {e['stall_max_ms']:.0f} ms "
                           "over the median" for h, e in extra.items())]

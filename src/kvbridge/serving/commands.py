@@ -123,6 +123,11 @@ def _serve_parser() -> argparse.ArgumentParser:
                         "4 MB)")
     add_native_rest(w)
     add_store_memory(w)
+    w.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="ignore the conversations a source engine announces for loading ahead (serve-source "
+                        "--prewarm, or a source request's kv_transfer_params {\"kvbridge_prewarm\": true}); by "
+                        "default they are loaded into this server's prefix cache, in the mapper's namespace, as "
+                        "soon as the source has stored them")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -141,7 +146,7 @@ def _cmd_serve(args) -> int:
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
-    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args)
+    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args, args.prewarm)
 
 
 def _serve_eval_parser() -> argparse.ArgumentParser:
@@ -322,6 +327,11 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
+    p.add_argument("--prewarm", action="store_true",
+                   help="ask the target's server to load every conversation ahead, once its blocks are stored (and "
+                        "mapped ahead): an escalated turn then finds its history in the target's prefix cache "
+                        "(default: only requests whose kv_transfer_params say {\"kvbridge_prewarm\": true}; "
+                        "each costs the target one short request)")
     p.add_argument("--no-store", dest="storing", action="store_false",
                    help="serve the source with vLLM alone, same settings, nothing stored (--store and "
                         "--store-cap-gb are ignored): the baseline of what storing costs the source's own requests "
@@ -343,7 +353,8 @@ def _store_config(args, source: str | None = None):
 
     if not args.store_cap_gb > 0:
         raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
-    store = StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30))
+    store = StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30),
+                        prewarm=bool(getattr(args, "prewarm", False)))
     if source is None or not (getattr(args, "map_ahead", False) or args.mapper or args.target):
         return store
     mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
@@ -355,17 +366,17 @@ def _store_config(args, source: str | None = None):
     check_map_ahead(mapper)
     resolve_dtype(args.map_dtype, "cpu")  # a dtype name kvbridge knows
     return StoreConfig(store=store.store, cap_bytes=store.cap_bytes, mapper=mapper, target=target,
-                       dtype=args.map_dtype)
+                       dtype=args.map_dtype, prewarm=store.prewarm)
 
 
 def _cmd_serve_source(args) -> int:
     from .. import family
     from .server import resolve_model, serve_source
 
-    if not args.storing and (args.map_ahead or args.mapper or args.target or args.mapper_revision or
+    if not args.storing and (args.prewarm or args.map_ahead or args.mapper or args.target or args.mapper_revision or
                              args.target_revision or args.map_dtype != "auto"):
         raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target and their "
-                            "options) needs the store; drop one or the other.")
+                            "options) and --prewarm need the store; drop one or the other.")
     if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
         raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
     if args.source:
@@ -397,6 +408,10 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the source engine stores its K/V only; the target maps them when a turn escalates "
                         "(default: the source engine also maps each stored block ahead, in a background thread)")
+    p.add_argument("--prewarm", action="store_true",
+                   help="every conversation the source serves is loaded into the target's prefix cache once stored "
+                        "(serve-source --prewarm; default: only source requests that ask, kv_transfer_params "
+                        "{\"kvbridge_prewarm\": true})")
     add_native_rest(p)
     add_store_memory(p)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
@@ -414,6 +429,8 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
     for flag in ("source", "source_revision") + ahead:
         if getattr(args, flag):
             source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if getattr(args, "prewarm", False):
+        source.append("--prewarm")
     if ahead:
         source.append("--map-ahead")
         if args.connector_dtype not in (None, "auto"):
@@ -454,11 +471,13 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvbridge cascade-bench",
         description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
-                    "then a third turn escalated to the target six ways — native (the target re-prefills the "
+                    "then a third turn escalated to the target seven ways — native (the target re-prefills the "
                     "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
                     "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
                     "turn mapped too (a native rest of 0), mapped at the switch "
-                    "(warm, blocks mapped ahead ignored) and cold (mapped from a fresh source prefill) — in a "
+                    "(warm, blocks mapped ahead ignored), cold (mapped from a fresh source prefill) and prewarmed "
+                    "(warm, the conversation loaded into the target's prefix cache before the switch, at the "
+                    "source's request: serve-source --prewarm) — in a "
                     "random order of each conversation's own, native sent again right after native (a hit in the "
                     "target's own prefix cache: the ceiling of any transfer); median time to the first streamed "
                     "token of each, and the escalated "

@@ -42,6 +42,7 @@ MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
 HOLD_BACK = "kvbridge_hold_back"  # and its own hold-back, optionally
 USE_STORE = "kvbridge_store"  # and whether stored source K/V may be used (default: yes, when the server has a store)
+PREWARM = "kvbridge_prewarm"  # (to the source) load this conversation into the target's prefix cache ahead
 NATIVE_REST = "kvbridge_native_rest"  # and how many tokens after a stored prefix the engine computes itself
 CONNECTOR = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.serving.connector"
@@ -132,7 +133,9 @@ class StoreConfig(ExtraConfig):
     serves it under another path (its identity is read from it; default: the served model). ``mapper`` and
     ``target`` (folders): map ahead — each stored block is also mapped into the target's K/V, in the background,
     so that the target's connector reads it instead of mapping it; ``dtype``: the map's (``auto``: float32 on CPU,
-    bfloat16 on a GPU, as the target's connector; entries of another dtype are not read there)."""
+    bfloat16 on a GPU, as the target's connector; entries of another dtype are not read there). ``prewarm``: every
+    request asks the target's server to load its conversation ahead (:mod:`kvbridge.serving.prewarm`; per request
+    ``kv_transfer_params={"kvbridge_prewarm": true | false}``)."""
 
     store: str
     cap_bytes: int = 2 << 30
@@ -140,6 +143,7 @@ class StoreConfig(ExtraConfig):
     mapper: str | None = None
     target: str | None = None
     dtype: str = "auto"
+    prewarm: bool = False
 
     def __post_init__(self):
         if not isinstance(self.store, str) or not self.store:
@@ -158,6 +162,8 @@ class StoreConfig(ExtraConfig):
         if not isinstance(self.cap_bytes, int) or isinstance(self.cap_bytes, bool) or self.cap_bytes < 1:
             raise InputError(f"kvbridge source connector: cap_bytes must be a positive integer, not "
                              f"{self.cap_bytes!r}.")
+        if not isinstance(self.prewarm, bool):
+            raise InputError(f"kvbridge source connector: prewarm must be true or false, not {self.prewarm!r}.")
 
 
 def check_map_ahead(mapper_dir: str) -> None:

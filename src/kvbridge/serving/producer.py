@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ..errors import UnsupportedModelError
-from .config import StoreConfig
+from .config import PREWARM, StoreConfig
 from .idle import StepClock, single_threaded
 from .store import KVStore, chain_seed, map_identity, next_key
 
@@ -68,6 +68,7 @@ class Capture:
 class StoreMetadata(KVConnectorMetadata):
     captures: list[Capture] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # their partial last block is stored as a tail, then dropped
+    prewarm: dict[str, str | None] = field(default_factory=dict)  # finished ones to load ahead: their client salt
     preempted: list[str] = field(default_factory=list)  # dropped: a resumed request starts a block anew
 
 
@@ -185,6 +186,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._chains: dict[str, list[str]] = {}  # request id -> chain keys of its full blocks, as far as computed
         self._finished: list[str] = []
+        self._prewarm: dict[str, str | None] = {}
         self._manager = None
         # worker side
         self._pending: dict[str, Pending] = {}
@@ -233,8 +235,9 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         return keys[start // bs - 1] if start else seed
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = StoreMetadata(finished=self._finished, preempted=list(scheduler_output.preempted_req_ids or ()))
-        self._finished = []
+        meta = StoreMetadata(finished=self._finished, prewarm=self._prewarm,
+                             preempted=list(scheduler_output.preempted_req_ids or ()))
+        self._finished, self._prewarm = [], {}
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             try:  # storing is best effort: a request it cannot follow is served, not stored
                 capture = self._capture(rid, count)
@@ -269,7 +272,20 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._chains.pop(rid, None)
         self._finished.append(rid)
+        if self._wants_prewarm(request):
+            self._prewarm[rid] = request.cache_salt
         return False, None
+
+    def _wants_prewarm(self, request) -> bool:
+        """Whether a finished request asked the target's server to load its conversation ahead: its
+        ``kv_transfer_params`` ``"kvbridge_prewarm"`` (true or false), else the engine's default (``--prewarm``)."""
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        asked = params.get(PREWARM, self.config.prewarm)
+        if not isinstance(asked, bool):
+            logger.warning("kvbridge source connector: request %s: kv_transfer_params %s must be true or false, not "
+                           "%r; not prewarmed", request.request_id, PREWARM, asked)
+            return False
+        return asked
 
     # -- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -379,12 +395,14 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
     def _save(self, step, meta) -> None:
         for rid in getattr(meta, "preempted", ()):
             self._pending.pop(rid, None)
+        prewarm = getattr(meta, "prewarm", {})
         for rid in getattr(meta, "finished", ()):
             pend = self._pending.pop(rid, None)
             if pend is not None and pend.end > pend.start and not pend.broken:  # the partial block it ended with
                 ids, hidden = torch.cat(pend.ids), torch.cat(pend.hidden)
                 self._queue_block((pend.parent, pend.parent, ids.tolist(), torch.cat(pend.keys, dim=1),
-                                   torch.cat(pend.values, dim=1), hidden, True, pend.start))
+                                   torch.cat(pend.values, dim=1), hidden, True, pend.start,
+                                   (prewarm[rid],) if rid in prewarm else None))
         if step is None or "hidden" not in step or len(step["kv"]) != len(self._layers):
             return
         layers = sorted(step["kv"])
@@ -420,7 +438,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             key = next_key(pend.parent, block)
             if not pend.broken:
                 pend.broken = not self._queue_block((key, pend.parent, block, keys[:, :bs], values[:, :bs],
-                                                     hidden[:bs], False, pend.start))
+                                                     hidden[:bs], False, pend.start, None))
             pend.parent, pend.start = key, pend.start + bs
             ids, hidden, keys, values = ids[bs:], hidden[bs:], keys[:, bs:], values[:, bs:]
         pend.ids, pend.hidden, pend.keys, pend.values = [ids], [hidden], [keys], [values]
@@ -446,12 +464,13 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 if item[0] == "touch":
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 else:
-                    key, parent, block, keys, values, hidden, tail, start = item
+                    key, parent, block, keys, values, hidden, tail, start, prewarm = item
                     keys, values, hidden = keys.clone(), values.clone(), hidden.clone()  # not views of the step's
                     if not self.store.put(key, parent, self.identity, block, keys, values, hidden, tail=tail):
                         self.dropped += 1
-                    elif self._map_queue is not None:
-                        self._queue_map((key, parent, block, keys, values, hidden, tail, start), size)
+                    elif self._map_queue is None or \
+                            not self._queue_map((key, parent, block, keys, values, hidden, tail, start, prewarm), size):
+                        self._announce_prewarm(parent, prewarm)  # (after the map-ahead thread's turn, when it has one)
             except Exception as exc:  # a store that fails must not stop the writer
                 self.dropped += 1
                 logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
@@ -460,15 +479,22 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                     self._queued_bytes -= size
                 self._queue.task_done()
 
-    def _queue_map(self, item: tuple, size: int) -> None:
+    def _queue_map(self, item: tuple, size: int) -> bool:
         """Hand a stored block to the map-ahead thread, unless ``MAP_QUEUE_BYTES`` wait already (then the target's
-        connector maps it from the source entry)."""
+        connector maps it from the source entry: False)."""
         with self._queued_lock:
             if self._map_bytes + size > MAP_QUEUE_BYTES:
                 logger.info("kvbridge source connector: map-ahead is behind; a block is left to the target to map")
-                return
+                return False
             self._map_bytes += size
         self._map_queue.put((size, item, time.monotonic()))
+        return True
+
+    def _announce_prewarm(self, parent: str, prewarm: tuple | None) -> None:
+        """A finished request that asked for it: its conversation, ending with the tail under ``parent``, announced
+        for the target's server to load ahead — once its blocks are stored and mapped ahead."""
+        if prewarm is not None:
+            self.store.announce_prewarm(self.store.tail_path(parent), prewarm[0])
 
     def _mapper_loop(self) -> None:
         single_threaded()
@@ -476,10 +502,11 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             size, item, since = self._map_queue.get()
             try:
                 self._clock.wait(since, self._map_backlog)
-                self._premap(*item)
+                self._premap(*item[:-1])
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
             finally:
+                self._announce_prewarm(item[1], item[-1])
                 with self._queued_lock:
                     self._map_bytes -= size
                 self._map_queue.task_done()

@@ -261,8 +261,9 @@ def source_parallel(config: StoreConfig | None, argv: list[str]) -> tuple[int, i
 
 
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
-          passthrough: list[str] | None = None) -> int:
-    """Check the pair, then run vLLM's server until it is stopped."""
+          passthrough: list[str] | None = None, prewarm: bool = True) -> int:
+    """Check the pair, then run vLLM's server until it is stopped. ``prewarm``: with a store, load the conversations
+    a source engine announces into the prefix cache ahead (:mod:`kvbridge.serving.prewarm`)."""
     tensor = target_parallel(list(passthrough or []))
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401  (vLLM's own `serve` subcommand)
@@ -277,8 +278,31 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
     print(f"kvbridge serve: {config.target} as {served_name!r} on http://{host}:{port}/v1 — default mode "
           f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
           f"{runtime['hold_back']}, recompute {runtime['recompute']:.0%}", file=sys.stderr, flush=True)
+    if config.store and prewarm:
+        start_prewarmer(config.store, host, port, served_name, passthrough or [])
     run_vllm(argv)
     return 0
+
+
+def start_prewarmer(store_dir: str, host: str, port: int, served_name: str, passthrough: list[str]):
+    """The thread that loads announced conversations into this server's prefix cache (it waits for the store and
+    the server to exist)."""
+    from vllm.logger import init_logger
+
+    from .prewarm import Prewarmer
+    from .store import STORE_FILE, KVStore
+
+    held: list = []
+
+    def store():
+        if not held and (Path(store_dir) / STORE_FILE).exists():
+            held.append(KVStore(store_dir))
+        return held[0] if held else None
+
+    limit = flag_value(passthrough, "--max-model-len")
+    local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    return Prewarmer(store, f"http://{local}:{port}", served_name, int(limit) if limit and limit.isdigit() else 1 << 30,
+                     init_logger("vllm.kvbridge")).start()
 
 
 def run_vllm(argv: list[str]) -> None:

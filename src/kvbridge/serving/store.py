@@ -61,6 +61,7 @@ DEFAULT_CAP = 2 << 30  # 2 GiB
 RESCAN_WRITES = 64  # a writer recounts the folder this often (other writers' entries count against the cap too)
 STALE_TMP_S = 600  # a temporary file this old belongs to a writer that died
 JOURNAL_FILE = "mapped.journal"  # the mapped entries written lately, one path per line: what a reader may prefetch
+PREWARM_FILE = "prewarm.journal"  # conversations a source asked the target's server to load ahead (JSON lines)
 JOURNAL_BYTES = 1 << 20  # beyond, the next writer starts a new journal (a reader then reads that one from its start)
 
 
@@ -277,28 +278,34 @@ class KVStore:
         """Note a mapped entry just written in the journal (one ``O_APPEND`` write per line), so that a target's
         connector can load it into memory before a request needs it (:mod:`kvbridge.serving.hot`). A hint only:
         nothing is lost when it cannot be written."""
-        line = (str(path.relative_to(self.root)) + "\n").encode()
-        journal = self.root / JOURNAL_FILE
+        self._append(JOURNAL_FILE, str(path.relative_to(self.root)))
+
+    def announce_prewarm(self, tail: Path, salt: str | None) -> None:
+        """Ask the target's server to load the conversation that ends with the tail entry ``tail`` (a source entry)
+        into its prefix cache now (:mod:`kvbridge.serving.prewarm`): a line of the prewarm journal, with the request's
+        client ``salt`` (its chain's seed, and the target request's salt). A hint too."""
+        self._append(PREWARM_FILE, json.dumps({"tail": str(tail.relative_to(self.root)), "salt": salt,
+                                               "time": time.time()}))
+
+    def _append(self, name: str, text: str) -> None:
+        journal = self.root / name
         try:
             fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line)
+                os.write(fd, (text + "\n").encode())
                 full = os.fstat(fd).st_size > JOURNAL_BYTES
             finally:
                 os.close(fd)
             if full:  # a new, empty journal in its place (its readers see another inode and read it from its start)
-                tmp = journal.with_name(f".{JOURNAL_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp = journal.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 tmp.write_bytes(b"")
                 os.replace(tmp, journal)
         except OSError:
             pass
 
-    def announced(self, cursor: tuple[int, int] | None) -> tuple[list[Path], tuple[int, int] | None]:
-        """The mapped entries announced since ``cursor`` (None: the whole journal, at most ``JOURNAL_BYTES`` of the
-        latest lines — a restarted reader loads what was written lately), and the cursor to pass next time. Lines of
-        a journal that was replaced since the last call after that call are missed (a hint: those entries are read
-        from the folder when a request needs them)."""
-        journal = self.root / JOURNAL_FILE
+    def _lines(self, name: str, cursor: tuple[int, int] | None) -> tuple[list[str], tuple[int, int] | None]:
+        """The journal's lines since ``cursor`` (None: the whole journal) and the cursor to pass next time."""
+        journal = self.root / name
         try:
             with open(journal, "rb") as handle:
                 stat = os.fstat(handle.fileno())
@@ -309,12 +316,77 @@ class KVStore:
         except OSError:  # none yet (most often): what comes is read from its start
             return [], cursor
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        paths = []
-        for line in data[:end].decode("utf-8", "replace").splitlines():
-            rel = Path(line)  # entries inside the store only
-            if rel.parts[:1] == ("entries",) and ".." not in rel.parts and "\x00" not in line:
-                paths.append(self.root / rel)
-        return paths, (stat.st_ino, offset + end)
+        return data[:end].decode("utf-8", "replace").splitlines(), (stat.st_ino, offset + end)
+
+    def _inside(self, line: str) -> Path | None:
+        rel = Path(line)  # entries inside the store only
+        if rel.parts[:1] == ("entries",) and ".." not in rel.parts and "\x00" not in line:
+            return self.root / rel
+        return None
+
+    def announced(self, cursor: tuple[int, int] | None) -> tuple[list[Path], tuple[int, int] | None]:
+        """The mapped entries announced since ``cursor`` (None: the whole journal, at most ``JOURNAL_BYTES`` of the
+        latest lines — a restarted reader loads what was written lately), and the cursor to pass next time. Lines of
+        a journal that was replaced since the last call after that call are missed (a hint: those entries are read
+        from the folder when a request needs them)."""
+        lines, cursor = self._lines(JOURNAL_FILE, cursor)
+        return [path for path in map(self._inside, lines) if path is not None], cursor
+
+    def prewarms(self, cursor: tuple[int, int] | None) -> tuple[list[tuple[Path, str | None, float]],
+                                                                 tuple[int, int] | None]:
+        """The prewarm requests announced since ``cursor``: (tail entry, client salt, when), malformed lines
+        skipped."""
+        lines, cursor = self._lines(PREWARM_FILE, cursor)
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+                tail, salt, when = self._inside(record["tail"]), record["salt"], float(record["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if tail is not None and (salt is None or isinstance(salt, str)):
+                out.append((tail, salt, when))
+        return out, cursor
+
+    def conversation(self, tail: Path, salt: str | None, max_blocks: int) -> list[int] | None:
+        """The token ids of the conversation whose last, partial block is the source entry ``tail``: its chain walked
+        back, entry by entry, to the seed of the source's identity and ``salt``; None when an entry is missing or
+        does not chain (each key is checked against its parent and token ids), or past ``max_blocks``. Reads the
+        entries' headers and token ids only."""
+        meta, ids = self._header_ids(tail)
+        if meta is None or meta.get("format") != FORMAT or not tail.name.endswith(".tail.safetensors"):
+            return None
+        seed = chain_seed(str(meta.get("identity")), salt)
+        parts, parent = [ids], meta.get("parent")
+        while parent != seed:
+            if len(parts) > max_blocks or not isinstance(parent, str):
+                return None
+            meta, ids = self._header_ids(self.path(parent))
+            if meta is None or meta.get("format") != FORMAT or meta.get("key") != parent or \
+                    next_key(str(meta.get("parent")), ids) != parent:
+                return None
+            parts.append(ids)
+            parent = meta.get("parent")
+        return [token for part in reversed(parts) for token in part]
+
+    @staticmethod
+    def _header_ids(path: Path) -> tuple[dict | None, list[int]]:
+        """An entry's metadata and token ids (None, [] when it is absent or not an entry)."""
+        try:
+            with open(path, "rb") as handle:
+                n = int.from_bytes(handle.read(8), "little")
+                if not 0 < n < 1 << 20:
+                    return None, []
+                header = json.loads(handle.read(n))
+                begin, end = header["ids"]["data_offsets"]
+                assert header["ids"]["dtype"] == "I64" and 0 <= begin <= end and end - begin < 1 << 24
+                handle.seek(8 + n + begin)
+                raw = handle.read(end - begin)
+            meta = header.get("__metadata__") or {}
+            assert len(raw) == end - begin and isinstance(meta, dict)
+            return meta, torch.frombuffer(bytearray(raw), dtype=torch.int64).tolist() if raw else []
+        except (OSError, ValueError, KeyError, TypeError, AssertionError, AttributeError):
+            return None, []
 
     def tail_path(self, parent: str) -> Path:
         return self.root / "entries" / parent[:2] / f"{parent}.tail.safetensors"

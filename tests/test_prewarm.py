@@ -1,0 +1,121 @@
+"""Prewarming without an engine: the prewarm journal, a conversation walked back from its stored tail (every key
+checked), and the thread that sends it to a server (here a stand-in HTTP server that records the request)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+from test_store import BT, ME, fill
+
+from kvbridge.serving.prewarm import Prewarmer
+from kvbridge.serving.store import PREWARM_FILE, KVStore, chain, chain_seed
+
+
+def tail_of(store: KVStore, ids: list[int], salt=None):
+    return store.tail_path(chain(chain_seed(ME, salt), ids, BT)[-1])
+
+
+def test_a_conversation_is_walked_back_from_its_tail(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids = list(range(1, 30))  # 3 full blocks and a 5-token tail
+    fill(store, ids, salt="tenant")
+    tail = tail_of(store, ids, "tenant")
+    assert store.conversation(tail, "tenant", 10) == ids
+    assert store.conversation(tail, None, 10) is None  # another salt: the walk never meets its seed
+    assert store.conversation(tail, "tenant", 2) is None  # longer than allowed
+    assert store.conversation(store.path(chain(chain_seed(ME, "tenant"), ids, BT)[0]), "tenant", 10) is None  # no tail
+    short = [5, 6, 7]  # shorter than a block: the tail is the whole conversation
+    fill(store, short)
+    assert store.conversation(store.tail_path(chain_seed(ME, None)), None, 10) == short
+    # a block in the middle evicted, or replaced by another block's entry: no conversation (never a wrong one)
+    keys = chain(chain_seed(ME, "tenant"), ids, BT)
+    saved = store.path(keys[1]).read_bytes()
+    store.path(keys[1]).write_bytes(store.path(keys[0]).read_bytes())
+    assert store.conversation(tail, "tenant", 10) is None
+    store.path(keys[1]).unlink()
+    assert store.conversation(tail, "tenant", 10) is None
+    store.path(keys[1]).write_bytes(saved)
+    assert store.conversation(tail, "tenant", 10) == ids
+    tail.write_bytes(b"torn")
+    assert store.conversation(tail, "tenant", 10) is None
+
+
+def test_the_prewarm_journal(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    assert store.prewarms(None) == ([], None)
+    store.announce_prewarm(store.tail_path("ab" * 32), "tenant")
+    store.announce_prewarm(store.tail_path("cd" * 32), None)
+    with open(tmp_path / PREWARM_FILE, "a") as journal:  # what a reader skips
+        journal.write("not json\n" + json.dumps({"tail": "../outside", "salt": None, "time": 0}) + "\n" +
+                      json.dumps({"tail": "entries/ab/x.tail.safetensors", "salt": 7, "time": 0}) + "\n")
+    records, cursor = store.prewarms(None)
+    assert [(r[0], r[1]) for r in records] == [(store.tail_path("ab" * 32), "tenant"),
+                                               (store.tail_path("cd" * 32), None)]
+    assert abs(records[0][2] - time.time()) < 60
+    assert store.prewarms(cursor)[0] == []  # read once
+    assert store.announced(None) == ([], None)  # the mapped entries' journal is another file
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    bodies: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Recorder.bodies.append((self.path, body))
+        reply = json.dumps({"kv_transfer_params": {"kvbridge": "mapped"}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    Recorder.bodies = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", Recorder.bodies
+    server.shutdown()
+
+
+def test_the_prewarmer_sends_each_announced_conversation_once(tmp_path, recorder):
+    url, bodies = recorder
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids, other = list(range(1, 30)), list(range(40, 61))
+    fill(store, ids, salt="tenant")
+    fill(store, other)
+    prewarmer = Prewarmer(lambda: store, url, "target", max_tokens=1000)
+    assert prewarmer.prewarm(store, tail_of(store, ids, "tenant"), "tenant", time.time())
+    assert bodies == [("/v1/completions", {"model": "target", "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                           "kv_transfer_params": {"kvbridge": "mapped"}, "cache_salt": "tenant"})]
+    # through the journal: each announcement once; a stale one, a broken chain or one too long is skipped
+    store.announce_prewarm(tail_of(store, other), None)
+    store.announce_prewarm(tail_of(store, ids, "tenant"), "other salt")  # its chain never meets that seed
+    prewarmer.start()
+    deadline = time.time() + 10
+    while len(bodies) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    prewarmer.stop()
+    assert [b["prompt"] for _, b in bodies] == [ids, other] and "cache_salt" not in bodies[1][1]
+    assert (prewarmer.sent, prewarmer.skipped, prewarmer.failed) == (2, 1, 0)
+    assert not prewarmer.prewarm(store, tail_of(store, ids, "tenant"), "tenant", time.time() - 3600)  # stale
+    assert not Prewarmer(lambda: store, url, "target", max_tokens=20).prewarm(store, tail_of(store, other), None,
+                                                                             time.time())  # over the context
+    assert len(bodies) == 2
+
+
+def test_a_server_that_does_not_answer_is_counted_not_raised(tmp_path):
+    store = KVStore(tmp_path, block_tokens=BT, create=True)
+    ids = list(range(1, 30))
+    fill(store, ids)
+    prewarmer = Prewarmer(lambda: store, "http://127.0.0.1:9", "target", max_tokens=1000)  # nothing listens there
+    assert not prewarmer.prewarm(store, tail_of(store, ids), None, time.time())
+    assert prewarmer.failed == 1
