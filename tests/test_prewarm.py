@@ -119,3 +119,25 @@ def test_a_server_that_does_not_answer_is_counted_not_raised(tmp_path):
     prewarmer = Prewarmer(lambda: store, "http://127.0.0.1:9", "target", max_tokens=1000)  # nothing listens there
     assert not prewarmer.prewarm(store, tail_of(store, ids), None, time.time())
     assert prewarmer.failed == 1
+
+
+def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
+    """The source connector's choice per finished request: its kv_transfer_params' kvbridge_prewarm (true or false)
+    over the engine's --prewarm; anything else is no prewarm (logged), never an error in the engine."""
+    import os
+    from types import SimpleNamespace
+
+    from conftest import vllm_ready
+
+    if vllm_ready() and not os.environ.get("CI"):
+        pytest.skip(vllm_ready())  # CI installs vLLM: there a missing one fails
+    from kvbridge.serving.producer import KVBridgeSourceConnector
+
+    def asks(params, default: bool) -> bool:
+        connector = SimpleNamespace(config=SimpleNamespace(prewarm=default))
+        request = SimpleNamespace(kv_transfer_params=params, request_id="r")
+        return KVBridgeSourceConnector._wants_prewarm(connector, request)
+
+    assert asks({"kvbridge_prewarm": True}, False) and not asks({"kvbridge_prewarm": False}, True)
+    assert asks(None, True) and asks({}, True) and not asks(None, False)
+    assert not asks({"kvbridge_prewarm": "yes"}, True) and not asks({"kvbridge_prewarm": 1}, True)

@@ -242,7 +242,8 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
     space = namespace(family.mapper_path(), {})
     assert client_salt(salted(space, "user-1"), space) == "user-1" and client_salt(space, space) is None
     assert client_salt("user-1", space) == "user-1" and client_salt(None, space) is None
-    for bad in (dict(store=""), dict(store="s", cap_bytes=0), dict(store="s", cap_bytes=True)):
+    for bad in (dict(store=""), dict(store="s", cap_bytes=0), dict(store="s", cap_bytes=True),
+                dict(store="s", prewarm="yes")):
         with pytest.raises(InputError):
             StoreConfig(**bad)
     with pytest.raises(InputError, match="unknown connector option"):
@@ -262,6 +263,8 @@ def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_
         source_argv(store, family.source_path(), "src", "127.0.0.1", 8001, ["--kv-transfer-config", "{}"])
     plain = source_argv(None, family.source_path(), "src", "127.0.0.1", 8001, ["--block-size", "64"])
     assert "--kv-transfer-config" not in plain and "--enforce-eager" in plain and "--hf-overrides" in plain
+    ahead = source_argv(StoreConfig(store.store, prewarm=True), family.source_path(), "src", "127.0.0.1", 8001, [])
+    assert json.loads(ahead[ahead.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]["prewarm"] is True
     assert plain[:2] == argv[:2] and plain[-2:] == ["--block-size", "64"]  # the baseline: same server, no store
 
 
@@ -279,6 +282,8 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
     assert "--mapper and --target" in capsys.readouterr().err
     assert main(["serve-source", "--no-store", "--map-ahead"]) == 1
     assert "--no-store" in capsys.readouterr().err
+    assert main(["serve-source", "--no-store", "--prewarm"]) == 1
+    assert "--prewarm need the store" in capsys.readouterr().err
     assert main(["cascade-bench", "--baseline-url", "http://127.0.0.1:1"]) == 1
     assert "--source-url" in capsys.readouterr().err
     assert main(["cascade-bench", "--source-baseline", "--source-url", "http://127.0.0.1:1", "--target-url",
@@ -333,6 +338,11 @@ def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     cascade = argparse_cascade(["--store", str(tmp_path)])
     assert "--map-ahead" in pair_argv(cascade)[0]
     assert "--map-ahead" not in pair_argv(argparse_cascade(["--store", str(tmp_path), "--no-map-ahead"]))[0]
+    # prewarm is the source's to ask (every request with --prewarm); the source engine's settings carry it
+    assert "--prewarm" not in pair_argv(cascade)[0]
+    assert "--prewarm" in pair_argv(argparse_cascade(["--store", str(tmp_path), "--prewarm"]))[0]
+    args.prewarm = True
+    assert _store_config(args, family.source_path()).prewarm is True
     # the memory tier's size goes to the target's server
     target = pair_argv(argparse_cascade(["--store", str(tmp_path), "--store-memory-gb", "0.5"]))[1]
     assert target[target.index("--store-memory-gb") + 1] == "0.5"

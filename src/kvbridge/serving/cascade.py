@@ -101,7 +101,8 @@ class CascadeRow:
     prewarmed_equals_warm: float | None = None  # share of conversations whose escalated answers are identical
     prewarmed_cached_fraction: float | None = None  # median share of the prompt found in the target's prefix cache
     prewarm_landed: float | None = None  # share of conversations the target had prewarmed before the switch
-    prewarm_wait_ms: float | None = None  # median time from the source's answer to the prewarm's end
+    prewarm_wait_ms: float | None = None  # median time from the source's answer until the target's /metrics counted
+    # the prewarm: an upper bound (vLLM's counters lag; the server's log says when each prewarm ended)
 
 
 def default_store() -> str:
@@ -477,7 +478,8 @@ def cascade_table(report: dict) -> str:
         lines += ["", "Prewarmed (the source asked the target's server to load the conversation ahead; the turn "
                   "waited for it): " + "; ".join(
                       f"history {r['history_tokens']:,}: loaded before the switch in {r['prewarm_landed']:.0%} of "
-                      f"conversations, {r['prewarm_wait_ms']:.0f} ms after the source's answer (median); at the "
+                      f"conversations, counted by the target's /metrics {r['prewarm_wait_ms']:.0f} ms after the "
+                      f"source's answer (median; the counters lag, the log has each prewarm's delay); at the "
                       f"switch {r['prewarmed_cached_fraction']:.0%} of the prompt was in the target's prefix cache, "
                       f"the connector took {r['prewarmed_connector_ms']:.1f} ms; answers = "
                       f"warm's in {r['prewarmed_equals_warm']:.0%}" for r in prewarmed)]
