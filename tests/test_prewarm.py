@@ -40,6 +40,12 @@ def test_a_conversation_is_walked_back_from_its_tail(tmp_path):
     assert store.conversation(tail, "tenant", 10) is None
     store.path(keys[1]).write_bytes(saved)
     assert store.conversation(tail, "tenant", 10) == ids
+    assert store.conversation(tail, "tenant", 10, identity_=ME) == ids
+    assert store.conversation(tail, "tenant", 10, identity_="another source") is None
+    moved = store.tail_path("ab" * 32)  # a tail under another parent's name: its name and its metadata disagree
+    moved.parent.mkdir(parents=True, exist_ok=True)
+    moved.write_bytes(tail.read_bytes())
+    assert store.conversation(moved, "tenant", 10) is None
     tail.write_bytes(b"torn")
     assert store.conversation(tail, "tenant", 10) is None
 
@@ -61,16 +67,26 @@ def test_the_prewarm_journal(tmp_path):
 
 
 class Recorder(http.server.BaseHTTPRequestHandler):
-    bodies: list = []
+    """A stand-in server: /v1/models names "target" with a context of ``Recorder.context``; each POST is recorded
+    (path, body, its Authorization header)."""
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Recorder.bodies.append((self.path, body))
-        reply = json.dumps({"kv_transfer_params": {"kvbridge": "mapped"}}).encode()
+    bodies: list = []
+    context = 1000
+
+    def _reply(self, payload) -> None:
+        reply = json.dumps(payload).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self._reply({"data": [{"id": "target", "max_model_len": Recorder.context}]})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Recorder.bodies.append((self.path, body, self.headers.get("Authorization")))
+        self._reply({"kv_transfer_params": {"kvbridge": "mapped"}})
 
     def log_message(self, *args):
         pass
@@ -78,24 +94,36 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorder():
-    Recorder.bodies = []
+    Recorder.bodies, Recorder.context = [], 1000
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", Recorder.bodies
     server.shutdown()
 
 
-def test_the_prewarmer_sends_each_announced_conversation_once(tmp_path, recorder):
+def test_the_prewarmer_sends_each_announced_conversation_once(tmp_path, recorder, monkeypatch):
     url, bodies = recorder
     store = KVStore(tmp_path, block_tokens=BT, create=True)
-    ids, other = list(range(1, 30)), list(range(40, 61))
+    ids, other, third = list(range(1, 30)), list(range(40, 61)), list(range(70, 83))
     fill(store, ids, salt="tenant")
     fill(store, other)
-    prewarmer = Prewarmer(lambda: store, url, "target", max_tokens=1000)
+    fill(store, third, salt="third")
+    prewarmer = Prewarmer(lambda: store, url, "target", api_key="secret", identity=ME)
     assert prewarmer.prewarm(store, tail_of(store, ids, "tenant"), "tenant", time.time())
+    assert prewarmer.max_tokens == 1000  # the server's context, from /v1/models
     assert bodies == [("/v1/completions", {"model": "target", "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                           "kv_transfer_params": {"kvbridge": "mapped"}, "cache_salt": "tenant"})]
-    # through the journal: each announcement once; a stale one, a broken chain or one too long is skipped
+                                           "kv_transfer_params": {"kvbridge": "mapped"}, "cache_salt": "tenant"},
+                       "Bearer secret")]
+    # through the journal: each announcement once; one whose walk fails, a broken chain: skipped, the rest sent
+    real = store.conversation
+
+    def failing(tail, salt, *args):
+        if salt == "third":
+            raise OSError("a disk error")
+        return real(tail, salt, *args)
+
+    monkeypatch.setattr(store, "conversation", failing)
+    store.announce_prewarm(tail_of(store, third, "third"), "third")
     store.announce_prewarm(tail_of(store, other), None)
     store.announce_prewarm(tail_of(store, ids, "tenant"), "other salt")  # its chain never meets that seed
     prewarmer.start()
@@ -104,11 +132,13 @@ def test_the_prewarmer_sends_each_announced_conversation_once(tmp_path, recorder
         time.sleep(0.05)
     time.sleep(0.3)
     prewarmer.stop()
-    assert [b["prompt"] for _, b in bodies] == [ids, other] and "cache_salt" not in bodies[1][1]
-    assert (prewarmer.sent, prewarmer.skipped, prewarmer.failed) == (2, 1, 0)
+    assert [b["prompt"] for _, b, _ in bodies] == [ids, other] and "cache_salt" not in bodies[1][1]
+    assert (prewarmer.sent, prewarmer.skipped, prewarmer.failed) == (2, 1, 1)
     assert not prewarmer.prewarm(store, tail_of(store, ids, "tenant"), "tenant", time.time() - 3600)  # stale
-    assert not Prewarmer(lambda: store, url, "target", max_tokens=20).prewarm(store, tail_of(store, other), None,
-                                                                             time.time())  # over the context
+    prewarmer.max_tokens = 20
+    assert not prewarmer.prewarm(store, tail_of(store, other), None, time.time())  # over the server's context
+    assert not Prewarmer(lambda: store, url, "target", identity="another source").prewarm(
+        store, tail_of(store, other), None, time.time())  # another source's entries
     assert len(bodies) == 2
 
 
@@ -116,7 +146,9 @@ def test_a_server_that_does_not_answer_is_counted_not_raised(tmp_path):
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     ids = list(range(1, 30))
     fill(store, ids)
-    prewarmer = Prewarmer(lambda: store, "http://127.0.0.1:9", "target", max_tokens=1000)  # nothing listens there
+    prewarmer = Prewarmer(lambda: store, "http://127.0.0.1:9", "target")  # nothing listens there
+    assert not prewarmer.ready()  # the journal waits for the server
+    prewarmer.max_tokens = 1000  # (as if it had answered once)
     assert not prewarmer.prewarm(store, tail_of(store, ids), None, time.time())
     assert prewarmer.failed == 1
 

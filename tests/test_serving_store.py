@@ -229,3 +229,31 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     warm, status = ask_target(target, config, [history], salt="s4", use_store="folder")
     assert status[0]["kvbridge"] == "mapped" and status[0]["kvbridge_stored_tokens"] == 0, status
     assert warm == cold
+
+
+def test_a_source_request_that_asks_is_announced_for_prewarm_once_stored(engines):
+    """kv_transfer_params {"kvbridge_prewarm": true} on the source's request: once its blocks are stored and mapped
+    ahead, the conversation (prompt and answer, every token the engine computed) is announced in the prewarm journal
+    under the request's salt, and walks back to exactly those token ids; a request that says false is not announced."""
+    from vllm import SamplingParams
+
+    from kvbridge.serving.store import KVStore, chain, chain_seed
+
+    source, _, _, store_dir = engines
+    store = KVStore(store_dir)
+    cursor = store.prewarms(None)[1]
+    prompts = stream_prompts([300, 290], offset=700)
+    items = [{"prompt_token_ids": p, "cache_salt": s} for p, s in zip(prompts, ("pw-yes", "pw-no"))]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                             extra_args={"kv_transfer_params": {"kvbridge_prewarm": asks}}) for asks in (True, False)]
+    outs = source.generate(items, params, use_tqdm=False)
+    time.sleep(1.5)  # stored and mapped ahead behind the engine's steps
+    records = store.prewarms(cursor)[0]
+    assert [r[1] for r in records] == ["pw-yes"]
+    computed = (prompts[0] + list(outs[0].outputs[0].token_ids))[:-1]  # the last answer token is never computed
+    assert store.conversation(records[0][0], "pw-yes", 100) == computed
+    # announced after its blocks were mapped ahead: every full block and the tail have their mapped entries
+    keys = chain(chain_seed(KVStore._header_ids(records[0][0])[0]["identity"], "pw-yes"), computed, store.block_tokens)
+    mapped = [p.name for p in store.root.glob("entries/*/*.mapped.safetensors")]
+    suffix = next(n for n in mapped if n.startswith(keys[0])).removeprefix(keys[0])
+    assert all(f"{k}{suffix}" in mapped for k in keys) and f"{keys[-1]}.tail{suffix}" in mapped

@@ -185,14 +185,15 @@ async def _source_turn(source, source_model, baseline, baseline_model, messages,
     """One of the source's turns: its answer, from the storing server. With a baseline (the source served without a
     store) the turn goes to both, in alternating order, a settle apart; their times and answers are kept in
     ``turns``."""
+    no_prewarm = {PREWARM: False}  # (a source started with --prewarm would prewarm every way's copy)
     if baseline is None:
-        return (await _turn(source, source_model, messages, ANSWER_TOKENS, salt=salt))[1]
+        return (await _turn(source, source_model, messages, ANSWER_TOKENS, no_prewarm, salt))[1]
     out = {}
     for k, name in enumerate(("storing", "baseline") if order % 2 == 0 else ("baseline", "storing")):
         if k:
             await asyncio.sleep(SETTLE_S)  # the storing engine's background writes and maps done, both idle
         client, model = (source, source_model) if name == "storing" else (baseline, baseline_model)
-        out[name] = await _turn(client, model, messages, ANSWER_TOKENS, salt=salt)
+        out[name] = await _turn(client, model, messages, ANSWER_TOKENS, no_prewarm if name == "storing" else None, salt)
     turns.append({f"{name}_{what}": value for name, (ttft, _, tokens, total) in out.items()
                   for what, value in (("ttft_ms", ttft), ("answer_ms", total), ("tokens", tokens))})
     return out["storing"][1]
@@ -223,8 +224,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             for way in COPIES:
                 if way == "prewarmed":
                     before = await asyncio.to_thread(metric, target_url, REQUESTS)
-                await _turn(source, source_model, messages, ANSWER_TOKENS, salt=f"{salt}-{way}",
-                            params={PREWARM: True} if way == "prewarmed" else None)
+                await _turn(source, source_model, messages, ANSWER_TOKENS, {PREWARM: way == "prewarmed"},
+                            f"{salt}-{way}")
             # the prewarm request is the target's: the escalation waits for it (it would run beside a way's turn)
             wait_start, landed = time.perf_counter(), False
             while not landed and time.perf_counter() - wait_start < PREWARM_WAIT_S:
@@ -413,6 +414,11 @@ def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) 
 SHORT = ("warm", "folder", "whole", "remap", "prewarmed", "cached")  # the ways whose turns skip most of the prefill
 
 
+def _ttft(row: dict, way: str) -> float:
+    """A conversation's time to first token on ``way`` (``cached``: the ceiling's re-sent native request)."""
+    return row["cached_ttft_ms"] if way == "cached" else row[way]["ttft_ms"]
+
+
 def per_conversation(report: dict) -> dict:
     """Figures over a report's conversations, per history length: the folder way's TTFT minus warm's, paired per
     conversation (median and its 95 % bootstrap interval; files from before the folder way have none), and the
@@ -431,13 +437,12 @@ def per_conversation(report: dict) -> dict:
         # of a shared machine's speed over the run cancels; the medians' ratio in the table does not pair them)
         for way in ("warm", "prewarmed", "cached"):
             if rows and (way == "cached" or way in rows[0]):
-                ratios = [r["native"]["ttft_ms"] / (r["cached_ttft_ms"] if way == "cached" else r[way]["ttft_ms"])
-                          for r in rows]
+                ratios = [r["native"]["ttft_ms"] / _ttft(r, way) for r in rows]
                 entry[f"{way}_paired_speedup"] = statistics.median(ratios)
                 entry[f"{way}_paired_speedup_interval"] = median_interval(ratios)
         stalled, excess, turns = 0, 0.0, 0
         for way in (w for w in SHORT if rows and (w == "cached" or w in rows[0])):
-            times = [r["cached_ttft_ms"] if way == "cached" else r[way]["ttft_ms"] for r in rows]
+            times = [_ttft(r, way) for r in rows]
             median = statistics.median(times)
             over = [t - median for t in times if t > 2 * median]
             stalled, turns, excess = stalled + len(over), turns + len(times), max([excess] + over)
@@ -458,12 +463,12 @@ def cascade_table(report: dict) -> str:
              "warm / all mapped / cold | All mapped = cold; at the switch = warm |", "|" + "---:|" * 13]
     for r in report["rows"]:
         def way(name: str) -> str:
-            if name + "_ttft_ms" not in r:  # (a file from before that way)
+            if r.get(name + "_ttft_ms") is None:  # (a file from before that way)
                 return "—"
             return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
 
         lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | **{way('warm')}** | "
-                     f"{way('prewarmed') if r.get('prewarmed_ttft_ms') is not None else '—'} | {way('folder')} "
+                     f"{way('prewarmed')} | {way('folder')} "
                      f"| {way('whole')} | {way('remap')} | {way('cold')} | {r['cached_ttft_ms']:.1f} ms "
                      f"({r['ceiling_speedup']:.2f}×) | {r['warm_connector_ms']:.1f} / "
                      f"{r.get('folder_connector_ms', float('nan')):.1f} / "

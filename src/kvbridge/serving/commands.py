@@ -84,6 +84,14 @@ def add_store_memory(group) -> None:
                             "them (default: 1)")
 
 
+def add_prewarm(p) -> None:
+    p.add_argument("--prewarm", action="store_true",
+                   help="the source's every request asks the target's server to load its conversation ahead, once "
+                        "its blocks are stored (and mapped ahead): an escalated turn then finds its history in the "
+                        "target's prefix cache (default: only requests whose kv_transfer_params say "
+                        "{\"kvbridge_prewarm\": true}; each costs the target one short request)")
+
+
 def store_memory_bytes(args) -> int:
     if not 0 <= args.store_memory_gb <= 1 << 20:  # (NaN and infinity fail too)
         raise KVBridgeError(f"--store-memory-gb must be a number of GiB from 0 to 1048576, not {args.store_memory_gb}.")
@@ -124,10 +132,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     add_native_rest(w)
     add_store_memory(w)
     w.add_argument("--no-prewarm", dest="prewarm", action="store_false",
-                   help="ignore the conversations a source engine announces for loading ahead (serve-source "
-                        "--prewarm, or a source request's kv_transfer_params {\"kvbridge_prewarm\": true}); by "
-                        "default they are loaded into this server's prefix cache, in the mapper's namespace, as "
-                        "soon as the source has stored them")
+                   help="with --store: ignore the conversations a source engine announces for loading ahead "
+                        "(serve-source --prewarm, or a source request's kv_transfer_params "
+                        "{\"kvbridge_prewarm\": true}); by default they are loaded into this server's prefix cache, "
+                        "in the mapper's namespace, as soon as the source has stored them")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -327,11 +335,7 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0,
                    help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
-    p.add_argument("--prewarm", action="store_true",
-                   help="ask the target's server to load every conversation ahead, once its blocks are stored (and "
-                        "mapped ahead): an escalated turn then finds its history in the target's prefix cache "
-                        "(default: only requests whose kv_transfer_params say {\"kvbridge_prewarm\": true}; "
-                        "each costs the target one short request)")
+    add_prewarm(p)
     p.add_argument("--no-store", dest="storing", action="store_false",
                    help="serve the source with vLLM alone, same settings, nothing stored (--store and "
                         "--store-cap-gb are ignored): the baseline of what storing costs the source's own requests "
@@ -408,10 +412,7 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
                    help="the source engine stores its K/V only; the target maps them when a turn escalates "
                         "(default: the source engine also maps each stored block ahead, in a background thread)")
-    p.add_argument("--prewarm", action="store_true",
-                   help="every conversation the source serves is loaded into the target's prefix cache once stored "
-                        "(serve-source --prewarm; default: only source requests that ask, kv_transfer_params "
-                        "{\"kvbridge_prewarm\": true})")
+    add_prewarm(p)
     add_native_rest(p)
     add_store_memory(p)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
@@ -476,8 +477,9 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                     "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
                     "turn mapped too (a native rest of 0), mapped at the switch "
                     "(warm, blocks mapped ahead ignored), cold (mapped from a fresh source prefill) and prewarmed "
-                    "(warm, the conversation loaded into the target's prefix cache before the switch, at the "
-                    "source's request: serve-source --prewarm) — in a "
+                    "(warm, the conversation loaded into the target's prefix cache before the switch: its source "
+                    "request asks for it, kv_transfer_params kvbridge_prewarm; every other source request says "
+                    "false) — in a "
                     "random order of each conversation's own, native sent again right after native (a hit in the "
                     "target's own prefix cache: the ceiling of any transfer); median time to the first streamed "
                     "token of each, and the escalated "

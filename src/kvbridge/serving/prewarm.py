@@ -27,6 +27,7 @@ at the switch as before.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -41,22 +42,35 @@ from .config import PARAM
 POLL_S = 0.05  # how often the journal is read
 MAX_AGE_S = 30.0  # an announcement older than this when read is skipped: the thread is behind, the turn moved on
 TIMEOUT_S = 120.0  # one prewarm request
-SEEN = 4096  # announcements remembered (a tail announced twice is prewarmed once)
+SEEN = 4096  # announcements remembered (each is sent once; a tail announced again, rewritten, is sent again)
 
 
 class Prewarmer:
     """Reads ``store()``'s prewarm journal (``store``: returns the :class:`~kvbridge.serving.store.KVStore`, None
-    until it exists) and sends each conversation to ``url`` (the server's base URL) as a one-token mapped completion
-    of ``model``; ``max_tokens``: the longest conversation sent (the server's context). :meth:`start` runs the
-    thread; ``sent``, ``skipped``, ``failed`` count its work."""
+    until it exists) and sends each conversation to ``url`` (the server's base URL; ``api_key``: its key, if it
+    has one) as a one-token mapped completion of ``model``. The journal is read once the server answers
+    ``/v1/models``, which also gives the longest conversation it takes (``max_model_len``). ``identity``: the
+    source whose entries it sends (None: any). :meth:`start` runs the thread; ``sent``, ``skipped``, ``failed``
+    count its work."""
 
-    def __init__(self, store: Callable, url: str, model: str, max_tokens: int, logger=None):
-        self.store, self.url, self.model, self.max_tokens = store, url.rstrip("/"), model, max_tokens
+    def __init__(self, store: Callable, url: str, model: str, api_key: str | None = None,
+                 identity: str | None = None, logger=None):
+        import ssl
+
+        self.store, self.url, self.model, self.identity = store, url.rstrip("/"), model, identity
+        self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"}
+                                                               if api_key else {})
         self.logger = logger
+        self.max_tokens: int | None = None  # the server's context, once it answers
         self.sent = self.skipped = self.failed = 0
         self._seen: OrderedDict[tuple[Path, str | None, float], None] = OrderedDict()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # its own server on this machine: no proxy, and its certificate (often self-signed) taken as it is
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                                   urllib.request.HTTPSHandler(context=context))
 
     def start(self) -> Prewarmer:
         self._thread = threading.Thread(target=self._run, name="kvbridge-prewarm", daemon=True)
@@ -65,32 +79,51 @@ class Prewarmer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=TIMEOUT_S)
+
+    def ready(self) -> bool:
+        """Whether the server answers, and its context (``max_tokens``) is known."""
+        if self.max_tokens is None:
+            try:
+                request = urllib.request.Request(self.url + "/v1/models", headers=self.headers)
+                with self._opener.open(request, timeout=10) as response:
+                    models = json.loads(response.read())["data"]
+                self.max_tokens = int(next(m for m in models if m["id"] == self.model)["max_model_len"])
+            except Exception:  # not up yet (or not this model): the journal waits
+                return False
+        return True
 
     def _run(self) -> None:
         cursor = None
         while not self._stop.wait(POLL_S):
             try:
                 store = self.store()
-                if store is None:
+                if store is None or not self.ready():
                     continue
                 records, cursor = store.prewarms(cursor)
-                for record in records:
-                    self.prewarm(store, *record)
             except Exception as exc:  # a hint: the switch loads what is not prewarmed
                 self._log("warning", "kvbridge prewarm: reading the journal failed (%s)", exc)
+                continue
+            for record in records:
+                try:
+                    self.prewarm(store, *record)
+                except Exception as exc:  # one conversation: the rest are still sent
+                    self.failed += 1
+                    self._log("warning", "kvbridge prewarm: a conversation was not prewarmed (%s)", exc)
 
     def prewarm(self, store, tail: Path, salt: str | None, when: float) -> bool:
-        """Send one announced conversation; False when it is skipped (seen, too old, its chain broken or too long)
-        or the request fails."""
+        """Send one announced conversation; False when it is skipped (seen, too old, its chain broken, another
+        source's or too long for the server) or the request fails."""
         if (tail, salt, when) in self._seen:
             return False
         self._seen[(tail, salt, when)] = None
         while len(self._seen) > SEEN:
             self._seen.popitem(last=False)
-        if time.time() - when > MAX_AGE_S:
+        if time.time() - when > MAX_AGE_S or not self.ready():
             self.skipped += 1
             return False
-        ids = store.conversation(tail, salt, self.max_tokens // store.block_tokens + 1)
+        ids = store.conversation(tail, salt, self.max_tokens // store.block_tokens + 1, self.identity)
         if ids is None or not 1 < len(ids) < self.max_tokens:
             self.skipped += 1
             return False
@@ -99,11 +132,12 @@ class Prewarmer:
         if salt is not None:
             body["cache_salt"] = salt
         request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers=self.headers)
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-                status = (json.loads(response.read()).get("kv_transfer_params") or {}).get(PARAM)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            with self._opener.open(request, timeout=TIMEOUT_S) as response:
+                reply = json.loads(response.read())
+            status = (reply.get("kv_transfer_params") or {}).get(PARAM) if isinstance(reply, dict) else None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
             self.failed += 1
             self._log("warning", "kvbridge prewarm: a conversation of %d tokens was not prewarmed (%s)", len(ids), exc)
             return False

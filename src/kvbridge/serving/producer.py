@@ -506,9 +506,12 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
             finally:
-                self._announce_prewarm(item[1], item[-1])
                 with self._queued_lock:
                     self._map_bytes -= size
+                try:
+                    self._announce_prewarm(item[1], item[-1])
+                except Exception as exc:  # a hint: the conversation is loaded at the switch instead
+                    logger.warning("kvbridge source connector: a conversation was not announced for prewarm (%s)", exc)
                 self._map_queue.task_done()
 
     def _premap(self, key: str, parent: str, block: list[int], keys, values, hidden, tail: bool, start: int) -> None:

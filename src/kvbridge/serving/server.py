@@ -279,30 +279,38 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
           f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
           f"{runtime['hold_back']}, recompute {runtime['recompute']:.0%}", file=sys.stderr, flush=True)
     if config.store and prewarm:
-        start_prewarmer(config.store, host, port, served_name, passthrough or [])
+        start_prewarmer(config, host, port, served_name, passthrough or [])
     run_vllm(argv)
     return 0
 
 
-def start_prewarmer(store_dir: str, host: str, port: int, served_name: str, passthrough: list[str]):
-    """The thread that loads announced conversations into this server's prefix cache (it waits for the store and
-    the server to exist)."""
+def start_prewarmer(config: ServeConfig, host: str, port: int, served_name: str, passthrough: list[str]):
+    """The thread that loads announced conversations of ``config.source`` into this server's prefix cache (it waits
+    for the store and for the server to answer)."""
     from vllm.logger import init_logger
 
     from .prewarm import Prewarmer
+    from .producer import folder_identity
     from .store import STORE_FILE, KVStore
 
+    logger = init_logger("vllm.kvbridge")
     held: list = []
 
     def store():
-        if not held and (Path(store_dir) / STORE_FILE).exists():
-            held.append(KVStore(store_dir))
+        if not held and (Path(config.store) / STORE_FILE).exists():
+            held.append(KVStore(config.store))
         return held[0] if held else None
 
-    limit = flag_value(passthrough, "--max-model-len")
-    local = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
-    return Prewarmer(store, f"http://{local}:{port}", served_name, int(limit) if limit and limit.isdigit() else 1 << 30,
-                     init_logger("vllm.kvbridge")).start()
+    try:
+        identity = folder_identity(config.source)
+    except Exception as exc:  # (the connector says the same): conversations of any source are sent
+        logger.warning("kvbridge prewarm: cannot tell the source's store identity (%s)", exc)
+        identity = None
+    local = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    scheme = "https" if flag_value(passthrough, "--ssl-keyfile") else "http"
+    url = f"{scheme}://{f'[{local}]' if ':' in local else local}:{port}"
+    api_key = flag_value(passthrough, "--api-key") or os.environ.get("VLLM_API_KEY")
+    return Prewarmer(store, url, served_name, api_key, identity, logger).start()
 
 
 def run_vllm(argv: list[str]) -> None:

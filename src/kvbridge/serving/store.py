@@ -348,13 +348,16 @@ class KVStore:
                 out.append((tail, salt, when))
         return out, cursor
 
-    def conversation(self, tail: Path, salt: str | None, max_blocks: int) -> list[int] | None:
+    def conversation(self, tail: Path, salt: str | None, max_blocks: int, identity_: str | None = None
+                     ) -> list[int] | None:
         """The token ids of the conversation whose last, partial block is the source entry ``tail``: its chain walked
         back, entry by entry, to the seed of the source's identity and ``salt``; None when an entry is missing or
-        does not chain (each key is checked against its parent and token ids), or past ``max_blocks``. Reads the
-        entries' headers and token ids only."""
+        does not chain (the tail's name is checked against its parent, each block's key against its parent and
+        token ids), when the entries are another source's than ``identity_`` (None: any), or past ``max_blocks``.
+        Reads the entries' headers and token ids only."""
         meta, ids = self._header_ids(tail)
-        if meta is None or meta.get("format") != FORMAT or not tail.name.endswith(".tail.safetensors"):
+        if meta is None or meta.get("format") != FORMAT or tail.name != f"{meta.get('parent')}.tail.safetensors" or \
+                (identity_ is not None and meta.get("identity") != identity_):
             return None
         seed = chain_seed(str(meta.get("identity")), salt)
         parts, parent = [ids], meta.get("parent")
@@ -372,20 +375,15 @@ class KVStore:
     @staticmethod
     def _header_ids(path: Path) -> tuple[dict | None, list[int]]:
         """An entry's metadata and token ids (None, [] when it is absent or not an entry)."""
+        from safetensors import safe_open
+
         try:
-            with open(path, "rb") as handle:
-                n = int.from_bytes(handle.read(8), "little")
-                if not 0 < n < 1 << 20:
-                    return None, []
-                header = json.loads(handle.read(n))
-                begin, end = header["ids"]["data_offsets"]
-                assert header["ids"]["dtype"] == "I64" and 0 <= begin <= end and end - begin < 1 << 24
-                handle.seek(8 + n + begin)
-                raw = handle.read(end - begin)
-            meta = header.get("__metadata__") or {}
-            assert len(raw) == end - begin and isinstance(meta, dict)
-            return meta, torch.frombuffer(bytearray(raw), dtype=torch.int64).tolist() if raw else []
-        except (OSError, ValueError, KeyError, TypeError, AssertionError, AttributeError):
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                ids = handle.get_tensor("ids")
+            assert ids.dtype == torch.int64 and ids.dim() == 1
+            return meta, ids.tolist()
+        except Exception:  # absent, torn, not an entry: safetensors raises its own error types too
             return None, []
 
     def tail_path(self, parent: str) -> Path:
