@@ -267,7 +267,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._bridge = self._load_bridge()
         elif self.config.store:  # the scheduler counts how much of a prompt is stored (no weights loaded)
             try:
-                from .producer import folder_identity
+                from .store import folder_identity
 
                 self._identity = folder_identity(self.config.source)
             except Exception as exc:  # the store is an optimization: every prompt token is then loaded

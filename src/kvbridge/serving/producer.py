@@ -42,7 +42,7 @@ from vllm.logger import init_logger
 from ..errors import UnsupportedModelError
 from .config import PREWARM, StoreConfig
 from .idle import StepClock, single_threaded
-from .store import KVStore, chain_seed, map_identity, next_key
+from .store import KVStore, chain_seed, folder_identity, map_identity, next_key
 
 logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
@@ -116,25 +116,6 @@ def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device
     checksums = (Path(config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
     return MapAhead(mapper, source.model, target.model,
                     map_identity(source_identity, checksums, target_description(target.info), dtype))
-
-
-def folder_identity(local_dir: str) -> str:
-    """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
-    from transformers import AutoTokenizer
-
-    from ..models import _text_config, tokenizer_fingerprint, weights_fingerprint
-    from .store import identity
-
-    config, _ = _text_config(local_dir)
-    weights = weights_fingerprint(local_dir)
-    if weights is None:
-        raise UnsupportedModelError(f"kvbridge source connector: {local_dir} holds no model*.safetensors, so its "
-                                    "weights cannot be told apart from another checkpoint's; convert it to "
-                                    "safetensors.")
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return identity(weights, tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
-                    int(config.num_hidden_layers), heads, head_dim, int(config.hidden_size))
 
 
 class KVBridgeSourceConnector(KVConnectorBase_V1):

@@ -290,8 +290,7 @@ def start_prewarmer(config: ServeConfig, host: str, port: int, served_name: str,
     from vllm.logger import init_logger
 
     from .prewarm import Prewarmer
-    from .producer import folder_identity
-    from .store import STORE_FILE, KVStore
+    from .store import STORE_FILE, KVStore, folder_identity
 
     logger = init_logger("vllm.kvbridge")
     held: list = []

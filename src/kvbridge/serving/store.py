@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from ..hashing import sha256_bytes, sha256_json
 
 FORMAT = "kvbridge-source-kv"
@@ -71,6 +71,24 @@ def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int,
     store's format. Entries of another model, revision, tokenizer or format never match."""
     return sha256_json({"format": FORMAT, "version": VERSION, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
                         "geometry": [num_layers, num_kv_heads, head_dim, hidden_size]})[:32]
+
+
+def folder_identity(local_dir: str) -> str:
+    """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from ..models import _text_config, tokenizer_fingerprint, weights_fingerprint
+
+    config, _ = _text_config(local_dir)
+    weights = weights_fingerprint(local_dir)
+    if weights is None:
+        raise UnsupportedModelError(f"kvbridge source connector: {local_dir} holds no model*.safetensors, so its "
+                                    "weights cannot be told apart from another checkpoint's; convert it to "
+                                    "safetensors.")
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return identity(weights, tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
+                    int(config.num_hidden_layers), heads, head_dim, int(config.hidden_size))
 
 
 def map_identity(source_identity: str, mapper_checksums: str, target: dict, dtype: torch.dtype) -> str:
