@@ -297,7 +297,8 @@ def test_bad_store_options_are_one_line(capsys, tmp_path):
 
 def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
     """`kvbridge cascade-bench --table`: a saved report's tables with its per-conversation figures (the paired
-    folder-minus-warm difference, the stalls), written beside it; another file is refused in one line."""
+    folder-minus-warm difference, warm's agreement with native minus cold's, the stalls), written beside it; another
+    file is refused in one line."""
     import json
     import shutil
     from pathlib import Path
@@ -313,6 +314,13 @@ def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
     rows = json.loads(saved.read_text())["conversations"]["2000"]
     diffs = sorted(r["folder"]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows)
     assert f"{(diffs[15] + diffs[16]) / 2:+.1f} ms" in out  # the median of 32 paired differences
+
+    def agreement(r, way):
+        return sum(a == b for a, b in zip(r[way]["tokens"], r["native"]["tokens"])) / len(r["native"]["tokens"])
+
+    # the answers' agreement with native's, warm's minus cold's, conversation by conversation (a mean, in points)
+    mean = sum(agreement(r, "warm") - agreement(r, "cold") for r in rows) / len(rows)
+    assert "the way's minus the cold path's" in out and f"history 2000 warm {100 * mean:+.1f} points [" in out
     report.write_text(json.dumps({"rows": [{"history_tokens": 1}]}))
     assert main(["cascade-bench", "--table", str(report)]) == 1
     assert "not a report" in capsys.readouterr().err

@@ -403,12 +403,13 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
     return report | {"per_conversation": per_conversation(report)}
 
 
-def median_interval(values: list[float], replicates: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95 % bootstrap interval of the median of ``values`` (resampled with a fixed seed)."""
+def median_interval(values: list[float], replicates: int = 2000, seed: int = 0,
+                    statistic=statistics.median) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median (or ``statistic``) of ``values`` (resampled with a fixed seed)."""
     from ..evaluate import percentile_interval
 
     rng = random.Random(seed)
-    return percentile_interval([statistics.median(rng.choices(values, k=len(values))) for _ in range(replicates)])
+    return percentile_interval([statistic(rng.choices(values, k=len(values))) for _ in range(replicates)])
 
 
 SHORT = ("warm", "folder", "whole", "remap", "prewarmed", "cached")  # the ways whose turns skip most of the prefill
@@ -440,6 +441,14 @@ def per_conversation(report: dict) -> dict:
                 ratios = [r["native"]["ttft_ms"] / _ttft(r, way) for r in rows]
                 entry[f"{way}_paired_speedup"] = statistics.median(ratios)
                 entry[f"{way}_paired_speedup_interval"] = median_interval(ratios)
+        # the answers' agreement with native's, each way's minus the cold path's, conversation by conversation (the
+        # issue's quality bar: the switch keeps what the cold path keeps; a mean, the agreements being discrete)
+        for way in ("warm", "prewarmed"):
+            if rows and way in rows[0] and "tokens" in rows[0]["native"]:
+                diffs = [_agreement(r[way]["tokens"], r["native"]["tokens"])
+                         - _agreement(r["cold"]["tokens"], r["native"]["tokens"]) for r in rows]
+                entry[f"{way}_minus_cold_agreement"] = statistics.mean(diffs)
+                entry[f"{way}_minus_cold_agreement_interval"] = median_interval(diffs, statistic=statistics.mean)
         stalled, excess, turns = 0, 0.0, 0
         for way in (w for w in SHORT if rows and (w == "cached" or w in rows[0])):
             times = [_ttft(r, way) for r in rows]
@@ -488,7 +497,7 @@ def cascade_table(report: dict) -> str:
                       f"switch {r['prewarmed_cached_fraction']:.0%} of the prompt was in the target's prefix cache, "
                       f"the connector took {r['prewarmed_connector_ms']:.1f} ms; answers = "
                       f"warm's in {r['prewarmed_equals_warm']:.0%}" for r in prewarmed)]
-    extra = report.get("per_conversation") or per_conversation(report)  # (files from before it: computed)
+    extra = per_conversation(report)  # (computed anew: files from before a figure get it too)
     for way, name in (("folder", "the folder way's"), ("prewarmed", "prewarmed's")):
         paired = {h: e for h, e in extra.items() if f"{way}_minus_warm_ms" in e}
         if paired:
@@ -505,6 +514,16 @@ def cascade_table(report: dict) -> str:
                                         f"{e[f'{way}_paired_speedup_interval'][1]:.2f}]"
                                         for way, name in names if f"{way}_paired_speedup" in e)
             for h, e in speedups.items())]
+    agree = {h: e for h, e in extra.items() if "warm_minus_cold_agreement" in e}
+    if agree:
+        lines += ["", "Answers' token agreement with native's, the way's minus the cold path's, paired per "
+                  "conversation (mean, 95 % bootstrap interval): " + "; ".join(
+                      f"history {h} " + ", ".join(f"{way} {100 * e[f'{way}_minus_cold_agreement']:+.1f} points "
+                                                  f"[{100 * e[f'{way}_minus_cold_agreement_interval'][0]:+.1f}, "
+                                                  f"{100 * e[f'{way}_minus_cold_agreement_interval'][1]:+.1f}]"
+                                                  for way in ("warm", "prewarmed")
+                                                  if f"{way}_minus_cold_agreement" in e)
+                      for h, e in agree.items())]
     lines += ["", "Stalls (turns of the short ways and the ceiling over twice their way's median): "
               + "; ".join(f"history {h} {e['stalled_share']:.0%} of them, up to {e['stall_max_ms']:.0f} ms "
                           "over the median" for h, e in extra.items())]
