@@ -19,7 +19,7 @@ def tail_of(store: KVStore, ids: list[int], salt=None):
     return store.tail_path(chain(chain_seed(ME, salt), ids, BT)[-1])
 
 
-def test_a_conversation_is_walked_back_from_its_tail(tmp_path):
+def test_a_conversation_is_walked_back_from_its_last_block(tmp_path):
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     ids = list(range(1, 30))  # 3 full blocks and a 5-token tail
     fill(store, ids, salt="tenant")
@@ -27,7 +27,15 @@ def test_a_conversation_is_walked_back_from_its_tail(tmp_path):
     assert store.conversation(tail, "tenant", 10) == ids
     assert store.conversation(tail, None, 10) is None  # another salt: the walk never meets its seed
     assert store.conversation(tail, "tenant", 2) is None  # longer than allowed
-    assert store.conversation(store.path(chain(chain_seed(ME, "tenant"), ids, BT)[0]), "tenant", 10) is None  # no tail
+    # one that ended on a block boundary (no tail) is announced by its last full block's entry
+    full = chain(chain_seed(ME, "tenant"), ids, BT)
+    assert store.conversation(store.path(full[0]), "tenant", 10) == ids[:BT]
+    assert store.conversation(store.path(full[2]), "tenant", 10) == ids[:3 * BT]
+    assert store.conversation(store.path(full[2]), None, 10) is None
+    renamed = store.path("cd" * 32)  # a block's entry under another key's name: never walked
+    renamed.parent.mkdir(parents=True, exist_ok=True)
+    renamed.write_bytes(store.path(full[2]).read_bytes())
+    assert store.conversation(renamed, "tenant", 10) is None
     short = [5, 6, 7]  # shorter than a block: the tail is the whole conversation
     fill(store, short)
     assert store.conversation(store.tail_path(chain_seed(ME, None)), None, 10) == short

@@ -231,7 +231,8 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
 def test_a_source_request_that_asks_is_announced_for_prewarm_once_stored(engines):
     """kv_transfer_params {"kvbridge_prewarm": true} on the source's request: once its blocks are stored and mapped
     ahead, the conversation (prompt and answer, every token the engine computed) is announced in the prewarm journal
-    under the request's salt, and walks back to exactly those token ids; a request that says false is not announced."""
+    under the request's salt, and walks back to exactly those token ids; a request that says false is not announced;
+    one that ended on a block boundary is announced by its last full block."""
     from vllm import SamplingParams
 
     from kvbridge.serving.store import KVStore, chain, chain_seed
@@ -239,14 +240,20 @@ def test_a_source_request_that_asks_is_announced_for_prewarm_once_stored(engines
     source, _, _, store_dir = engines
     store = KVStore(store_dir)
     cursor = store.prewarms(None)[1]
-    prompts = stream_prompts([300, 290], offset=700)
-    items = [{"prompt_token_ids": p, "cache_salt": s} for p, s in zip(prompts, ("pw-yes", "pw-no"))]
+    # the third computes a whole number of blocks (its prompt and 19 answer tokens): no tail, its last block announced
+    prompts = stream_prompts([300, 290, 3 * store.block_tokens - 19], offset=700)
+    salts = ("pw-yes", "pw-no", "pw-aligned")
+    items = [{"prompt_token_ids": p, "cache_salt": s} for p, s in zip(prompts, salts)]
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
-                             extra_args={"kv_transfer_params": {"kvbridge_prewarm": asks}}) for asks in (True, False)]
+                             extra_args={"kv_transfer_params": {"kvbridge_prewarm": asks}})
+              for asks in (True, False, True)]
     outs = source.generate(items, params, use_tqdm=False)
     time.sleep(1.5)  # stored and mapped ahead behind the engine's steps
-    records = store.prewarms(cursor)[0]
-    assert [r[1] for r in records] == ["pw-yes"]
+    records = sorted(store.prewarms(cursor)[0], key=lambda r: salts.index(r[1]))
+    assert [r[1] for r in records] == ["pw-yes", "pw-aligned"]
+    aligned = (prompts[2] + list(outs[2].outputs[0].token_ids))[:-1]
+    assert not records[1][0].name.endswith(".tail.safetensors")
+    assert store.conversation(records[1][0], "pw-aligned", 100) == aligned and len(aligned) == 3 * store.block_tokens
     computed = (prompts[0] + list(outs[0].outputs[0].token_ids))[:-1]  # the last answer token is never computed
     assert store.conversation(records[0][0], "pw-yes", 100) == computed
     # announced after its blocks were mapped ahead: every full block and the tail have their mapped entries

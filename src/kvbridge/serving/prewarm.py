@@ -19,10 +19,10 @@ its own; the connector loads at most the last, partial block.
 What it costs: the target engine runs one short request per announced turn (the connector's load, a one-token
 prefill over it, one decoded token), and the prewarmed blocks take room in its prefix cache that native requests'
 blocks would otherwise keep (vLLM evicts least recently used free blocks first). So it is the client's choice per
-request; ``kvbridge serve --no-prewarm`` ignores the journal. Not prewarmed: a request that ends exactly on a block
-boundary (no tail is stored), a conversation whose entries were evicted or whose announcement is older than
-``MAX_AGE_S`` when read (the thread fell behind). Everything here is a hint: a conversation not prewarmed is loaded
-at the switch as before.
+request; ``kvbridge serve --no-prewarm`` ignores the journal. (A request that ends exactly on a block boundary
+stores no tail: its last full block is announced instead.) Not prewarmed: a conversation whose entries were evicted
+or whose announcement is older than ``MAX_AGE_S`` when read (the thread fell behind). Everything here is a hint:
+a conversation not prewarmed is loaded at the switch as before.
 """
 
 from __future__ import annotations

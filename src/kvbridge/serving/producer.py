@@ -384,6 +384,10 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 self._queue_block((pend.parent, pend.parent, ids.tolist(), torch.cat(pend.keys, dim=1),
                                    torch.cat(pend.values, dim=1), hidden, True, pend.start,
                                    (prewarm[rid],) if rid in prewarm else None))
+            elif pend is not None and not pend.broken and pend.start > 0 and rid in prewarm:
+                # it ended on a block boundary (no tail): its conversation ends with its last full block, announced
+                # once that block (queued before) is stored and mapped ahead
+                self._queue_block(("announce", self.store.path(pend.parent), prewarm[rid]))
         if step is None or "hidden" not in step or len(step["kv"]) != len(self._layers):
             return
         layers = sorted(step["kv"])
@@ -444,6 +448,9 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 self._clock.wait(since, self._write_backlog)
                 if item[0] == "touch":
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
+                elif item[0] == "announce":  # (behind the map-ahead thread's blocks, when it has one)
+                    if self._map_queue is None or not self._queue_map(item, 0):
+                        self.store.announce_prewarm(item[1], item[2])
                 else:
                     key, parent, block, keys, values, hidden, tail, start, prewarm = item
                     keys, values, hidden = keys.clone(), values.clone(), hidden.clone()  # not views of the step's
@@ -482,15 +489,19 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         while True:
             size, item, since = self._map_queue.get()
             try:
-                self._clock.wait(since, self._map_backlog)
-                self._premap(*item[:-1])
+                if item[0] != "announce":
+                    self._clock.wait(since, self._map_backlog)
+                    self._premap(*item[:-1])
             except Exception as exc:  # map-ahead is an optimization: the source entry is stored, the target maps it
                 logger.warning("kvbridge source connector: a block was not mapped ahead (%s)", exc)
             finally:
                 with self._queued_lock:
                     self._map_bytes -= size
                 try:
-                    self._announce_prewarm(item[1], item[-1])
+                    if item[0] == "announce":
+                        self.store.announce_prewarm(item[1], item[2])
+                    else:
+                        self._announce_prewarm(item[1], item[-1])
                 except Exception as exc:  # a hint: the conversation is loaded at the switch instead
                     logger.warning("kvbridge source connector: a conversation was not announced for prewarm (%s)", exc)
                 self._map_queue.task_done()

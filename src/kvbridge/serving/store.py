@@ -299,9 +299,10 @@ class KVStore:
         self._append(JOURNAL_FILE, str(path.relative_to(self.root)))
 
     def announce_prewarm(self, tail: Path, salt: str | None) -> None:
-        """Ask the target's server to load the conversation that ends with the tail entry ``tail`` (a source entry)
-        into its prefix cache now (:mod:`kvbridge.serving.prewarm`): a line of the prewarm journal, with the request's
-        client ``salt`` (its chain's seed, and the target request's salt). A hint too."""
+        """Ask the target's server to load the conversation that ends with the source entry ``tail`` (its tail, or its
+        last full block's entry when it ended on a block boundary) into its prefix cache now
+        (:mod:`kvbridge.serving.prewarm`): a line of the prewarm journal, with the request's client ``salt`` (its
+        chain's seed, and the target request's salt). A hint too."""
         self._append(PREWARM_FILE, json.dumps({"tail": str(tail.relative_to(self.root)), "salt": salt,
                                                "time": time.time()}))
 
@@ -368,14 +369,20 @@ class KVStore:
 
     def conversation(self, tail: Path, salt: str | None, max_blocks: int, identity_: str | None = None
                      ) -> list[int] | None:
-        """The token ids of the conversation whose last, partial block is the source entry ``tail``: its chain walked
-        back, entry by entry, to the seed of the source's identity and ``salt``; None when an entry is missing or
-        does not chain (the tail's name is checked against its parent, each block's key against its parent and
-        token ids), when the entries are another source's than ``identity_`` (None: any), or past ``max_blocks``.
-        Reads the entries' headers and token ids only."""
+        """The token ids of the conversation whose last block is the source entry ``tail`` (a partial block's tail
+        entry, or a full block's entry when the conversation ended on a block boundary): its chain walked back, entry
+        by entry, to the seed of the source's identity and ``salt``; None when an entry is missing or does not chain
+        (a tail's name is checked against its parent, each block's name and key against its parent and token ids),
+        when the entries are another source's than ``identity_`` (None: any), or past ``max_blocks``. Reads the
+        entries' headers and token ids only."""
         meta, ids = self._header_ids(tail)
-        if meta is None or meta.get("format") != FORMAT or tail.name != f"{meta.get('parent')}.tail.safetensors" or \
+        if meta is None or meta.get("format") != FORMAT or \
                 (identity_ is not None and meta.get("identity") != identity_):
+            return None
+        last = meta.get("key")
+        if tail.name != f"{meta.get('parent')}.tail.safetensors" and not (
+                isinstance(last, str) and tail.name == f"{last}.safetensors" and
+                next_key(str(meta.get("parent")), ids) == last):
             return None
         seed = chain_seed(str(meta.get("identity")), salt)
         parts, parent = [ids], meta.get("parent")
