@@ -403,9 +403,9 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
     return report | {"per_conversation": per_conversation(report)}
 
 
-def median_interval(values: list[float], replicates: int = 2000, seed: int = 0,
-                    statistic=statistics.median) -> tuple[float, float]:
-    """A 95 % bootstrap interval of the median (or ``statistic``) of ``values`` (resampled with a fixed seed)."""
+def resampled_interval(values: list[float], replicates: int = 2000, seed: int = 0,
+                       statistic=statistics.median) -> tuple[float, float]:
+    """A 95 % bootstrap interval of ``statistic`` (the median) of ``values`` (resampled with a fixed seed)."""
     from ..evaluate import percentile_interval
 
     rng = random.Random(seed)
@@ -433,14 +433,14 @@ def per_conversation(report: dict) -> dict:
             if rows and way in rows[0]:
                 paired = [r[way]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows]
                 entry[f"{way}_minus_warm_ms"] = statistics.median(paired)
-                entry[f"{way}_minus_warm_interval"] = median_interval(paired)
+                entry[f"{way}_minus_warm_interval"] = resampled_interval(paired)
         # native ÷ each short way, conversation by conversation (native and the way a few seconds apart: the drift
         # of a shared machine's speed over the run cancels; the medians' ratio in the table does not pair them)
         for way in ("warm", "prewarmed", "cached"):
             if rows and (way == "cached" or way in rows[0]):
                 ratios = [r["native"]["ttft_ms"] / _ttft(r, way) for r in rows]
                 entry[f"{way}_paired_speedup"] = statistics.median(ratios)
-                entry[f"{way}_paired_speedup_interval"] = median_interval(ratios)
+                entry[f"{way}_paired_speedup_interval"] = resampled_interval(ratios)
         # the answers' agreement with native's, each way's minus the cold path's, conversation by conversation (the
         # issue's quality bar: the switch keeps what the cold path keeps; a mean, the agreements being discrete)
         for way in ("warm", "prewarmed"):
@@ -448,7 +448,7 @@ def per_conversation(report: dict) -> dict:
                 diffs = [_agreement(r[way]["tokens"], r["native"]["tokens"])
                          - _agreement(r["cold"]["tokens"], r["native"]["tokens"]) for r in rows]
                 entry[f"{way}_minus_cold_agreement"] = statistics.mean(diffs)
-                entry[f"{way}_minus_cold_agreement_interval"] = median_interval(diffs, statistic=statistics.mean)
+                entry[f"{way}_minus_cold_agreement_interval"] = resampled_interval(diffs, statistic=statistics.mean)
         stalled, excess, turns = 0, 0.0, 0
         for way in (w for w in SHORT if rows and (w == "cached" or w in rows[0])):
             times = [_ttft(r, way) for r in rows]
@@ -497,7 +497,7 @@ def cascade_table(report: dict) -> str:
                       f"switch {r['prewarmed_cached_fraction']:.0%} of the prompt was in the target's prefix cache, "
                       f"the connector took {r['prewarmed_connector_ms']:.1f} ms; answers = "
                       f"warm's in {r['prewarmed_equals_warm']:.0%}" for r in prewarmed)]
-    extra = per_conversation(report)  # (computed anew: files from before a figure get it too)
+    extra = report.get("per_conversation") or per_conversation(report)  # (files from before it: computed)
     for way, name in (("folder", "the folder way's"), ("prewarmed", "prewarmed's")):
         paired = {h: e for h, e in extra.items() if f"{way}_minus_warm_ms" in e}
         if paired:

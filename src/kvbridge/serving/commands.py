@@ -522,10 +522,11 @@ def _cascade_table_of(path: str) -> int:
     import json
 
     from ..outputs import write_text
-    from .cascade import cascade_table
+    from .cascade import cascade_table, per_conversation
 
     try:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
+        report["per_conversation"] = per_conversation(report)  # anew: a file from before a figure gets it too
         table = cascade_table(report)
     except OSError as exc:
         raise KVBridgeError(f"--table: cannot read {path} ({exc.strerror or exc}).") from None

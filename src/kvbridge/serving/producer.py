@@ -450,7 +450,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                     self.store.touch(item[1], self.map_ahead.map_id if self.map_ahead else None)
                 elif item[0] == "announce":  # (behind the map-ahead thread's blocks, when it has one)
                     if self._map_queue is None or not self._queue_map(item, 0):
-                        self.store.announce_prewarm(item[1], item[2])
+                        self._announce_prewarm(item)
                 else:
                     key, parent, block, keys, values, hidden, tail, start, prewarm = item
                     keys, values, hidden = keys.clone(), values.clone(), hidden.clone()  # not views of the step's
@@ -458,7 +458,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                         self.dropped += 1
                     elif self._map_queue is None or \
                             not self._queue_map((key, parent, block, keys, values, hidden, tail, start, prewarm), size):
-                        self._announce_prewarm(parent, prewarm)  # (after the map-ahead thread's turn, when it has one)
+                        self._announce_prewarm(item)  # (after the map-ahead thread's turn, when it has one)
             except Exception as exc:  # a store that fails must not stop the writer
                 self.dropped += 1
                 logger.warning("kvbridge source connector: a block was not stored (%s)", exc)
@@ -478,11 +478,14 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._map_queue.put((size, item, time.monotonic()))
         return True
 
-    def _announce_prewarm(self, parent: str, prewarm: tuple | None) -> None:
-        """A finished request that asked for it: its conversation, ending with the tail under ``parent``, announced
-        for the target's server to load ahead — once its blocks are stored and mapped ahead."""
-        if prewarm is not None:
-            self.store.announce_prewarm(self.store.tail_path(parent), prewarm[0])
+    def _announce_prewarm(self, item: tuple) -> None:
+        """A finished request that asked for it: its conversation announced for the target's server to load ahead —
+        once its blocks are stored and mapped ahead. ``item``: its tail block (parent second, ``(salt,)`` or None
+        last), or ``("announce", last full block's entry, salt)`` when it ended on a block boundary."""
+        if item[0] == "announce":
+            self.store.announce_prewarm(item[1], item[2])
+        elif item[-1] is not None:
+            self.store.announce_prewarm(self.store.tail_path(item[1]), item[-1][0])
 
     def _mapper_loop(self) -> None:
         single_threaded()
@@ -498,10 +501,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
                 with self._queued_lock:
                     self._map_bytes -= size
                 try:
-                    if item[0] == "announce":
-                        self.store.announce_prewarm(item[1], item[2])
-                    else:
-                        self._announce_prewarm(item[1], item[-1])
+                    self._announce_prewarm(item)
                 except Exception as exc:  # a hint: the conversation is loaded at the switch instead
                     logger.warning("kvbridge source connector: a conversation was not announced for prewarm (%s)", exc)
                 self._map_queue.task_done()
