@@ -153,6 +153,28 @@ def test_the_plan_prints_the_ttft_limit_of_the_defaults_at_the_published_geometr
     assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (top-k 1, levers, recompute" in table
 
 
+def test_the_gpu_suite_runs_tiny_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
+    """`python -m kvbridge.suite OUT --tiny`: the plan, a map's tables eager and "graphed" (eager here,
+    with the reason), the published fit beside its plan and the goals, in suite.json and suite.md."""
+    import json
+
+    from kvbridge.suite import main
+
+    main([str(tmp_path / "suite"), "--tiny", "--device", "cpu", "--contexts", "64", "--trials", "1", "--warmup", "1",
+          "--maps", "defaults"])
+    data = json.loads((tmp_path / "suite" / "suite.json").read_text())
+    assert list(data["sections"]) == ["FLOP plan (configs only)", "latency: defaults, CUDA graphs",
+                                      "latency: defaults, eager",
+                                      "published fit (statistics on the device when they fit)", "goals"]
+    assert data["graphs_eager_because"] == ["CUDA graphs need a CUDA device, not cpu: run eagerly"]
+    assert data["sections"]["published fit (statistics on the device when they fit)"]["value"]["statistics_on"] == \
+        "host"
+    goals = data["sections"]["goals"]["value"]
+    assert goals["defaults, graphed: TTFT speed-up at 512 ≥ 1.0"] is None  # not measured at 64 tokens only
+    assert "| Goal | Measured | Met |" in (tmp_path / "suite" / "suite.md").read_text()
+    assert "## goals" in capsys.readouterr().out
+
+
 def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):
     """`python -m kvbridge.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""
     from kvbridge.bench_real import main

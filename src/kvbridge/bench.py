@@ -15,7 +15,9 @@ Per context length (batch 1 unless asked otherwise), measured side by side in on
   ``ttft_speedup`` compares like with like,
 
 with warm-ups, then timed trials; medians are quoted, min/max kept. On CUDA the device is
-synchronized around every trial. ``map_efficiency`` is the map's achieved FLOP/s divided by the FLOP/s
+synchronized around every trial. ``graphs``: every timed call (native included, so the ratio stays
+honest) replays a CUDA graph recorded for it (:mod:`kvbridge.graphs`) instead of launching each kernel
+from Python; elsewhere the same calls run eagerly. ``map_efficiency`` is the map's achieved FLOP/s divided by the FLOP/s
 of plain ``torch.matmul`` calls of the same shapes timed in the same run. ``cold_speedup_limit`` is
 FLOPs(target prefill) ÷ (FLOPs(source prefill) + FLOPs(map)): the best a cold transfer could do;
 ``ttft_speedup_limit`` adds the target's forward over the held-back tokens to the denominator.
@@ -220,7 +222,8 @@ def _peak(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, trials: int) -> float:
+def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, trials: int,
+              graphs: bool = False) -> float:
     """Median time of plain ``torch.matmul`` calls with exactly the map's GEMM shapes (the reference): each
     group's ``x @ W`` and, for a residual MLP, its two GEMMs — every FLOP :func:`map_flops` counts."""
     pairs = []
@@ -236,23 +239,48 @@ def matmul_ms(mapper: Mapper, tokens: int, device: torch.device, warmup: int, tr
                 w1, _, w2, _ = group.mlp
                 pairs.append((x.to(w1.dtype), w1))
                 pairs.append((torch.randn(tokens, w2.shape[0], device=mapper.device, dtype=w2.dtype), w2))
-    return time_ms(lambda: [torch.matmul(x, w) for x, w in pairs], device, warmup, trials)[0]
+    return time_ms(_maybe_graphed(lambda: [torch.matmul(x, w) for x, w in pairs], device, graphs), device, warmup,
+                   trials)[0]
+
+
+def _maybe_graphed(fn, device: torch.device, graphs: bool, reasons: set | None = None):
+    """``fn`` itself, or with ``graphs`` a replay of its CUDA graph (eager where none can be recorded; why goes
+    into ``reasons``)."""
+    if not graphs:
+        return fn
+    from .graphs import Graphed, unpadded
+
+    def run():
+        with unpadded():
+            return fn()
+
+    graphed = Graphed(run, device)
+    if graphed.reason and reasons is not None:
+        reasons.add(graphed.reason)
+    return graphed
 
 
 @torch.no_grad()
 def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int = 7, batch: int = 1,
-              progress: bool = True) -> list[BenchRow]:
+              progress: bool = True, graphs: bool = False, native_rows: dict | None = None,
+              reasons: set | None = None) -> list[BenchRow]:
+    """The table's rows at each context length. ``graphs``: CUDA graphs for every timed call. ``native_rows``:
+    native timings by length, filled here or read from an earlier call with the same target (one native per
+    length serves several mappers). ``reasons``: why a call ran eagerly although ``graphs`` asked."""
     from tqdm.auto import tqdm
 
     device = bridge.target.device
+    native_rows = {} if native_rows is None else native_rows
     vocab = len(bridge.tokenizer)
     low = max(bridge.tokenizer.all_special_ids) + 1
     g = torch.Generator().manual_seed(0)
     rows = []
     for tokens in tqdm(contexts, desc="bench", unit="context", disable=not progress):
         ids = torch.randint(low, vocab, (batch, tokens), generator=g)
-        mask = torch.ones_like(ids)
         src_device = bridge.source.device
+        # on the device already when graphs record the calls (a graph cannot copy from pageable host memory)
+        ids = ids.to(device) if graphs else ids
+        mask = torch.ones_like(ids)
 
         def native():
             return prefill(bridge.target.model, ids, mask, logits="last")
@@ -273,16 +301,20 @@ def run_bench(bridge: Bridge, contexts: list[int], warmup: int = 2, trials: int 
         def mapped_ttft():
             return bridge.first_token_logits(ids, mask, "mapped")
 
+        def timed(fn, dev):  # one graph at a time: each is freed once timed
+            return time_ms(_maybe_graphed(fn, dev, graphs, reasons), dev, warmup, trials)
+
+        if tokens not in native_rows:
+            _reset_peak(device)
+            native_rows[tokens] = (timed(native, device), _peak(device))
+        t_native, peak_native = native_rows[tokens]
+        t_source = timed(source, src_device)
+        t_warm = timed(warm, device)
         _reset_peak(device)
-        t_native = time_ms(native, device, warmup, trials)
-        peak_native = _peak(device)
-        t_source = time_ms(source, src_device, warmup, trials)
-        t_warm = time_ms(warm, device, warmup, trials)
-        _reset_peak(device)
-        t_cold = time_ms(cold, device, warmup, trials)
+        t_cold = timed(cold, device)
         peak_cold = _peak(device)
-        t_ttft = time_ms(mapped_ttft, device, warmup, trials)
-        t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials)
+        t_ttft = timed(mapped_ttft, device)
+        t_matmul = matmul_ms(bridge.mapper, batch * tokens, bridge.mapper.device, warmup, trials, graphs)
         f_map = map_flops(bridge.mapper, batch * tokens)
         f_native = batch * prefill_flops(bridge.target.model.config, tokens, 1)
         f_source = batch * source_flops(bridge.source.model.config, bridge.mapper, tokens)  # as timed above

@@ -95,22 +95,30 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
         lever_layers = {v.layer for v in chosen}
         heads = {kind: tuple(1 if l in lever_layers else head_blocks for l in range(target_info.num_layers))
                  for kind in selection}
+    from .mapper import RuntimeOptions
+
+    runtime = RuntimeOptions()
+    if levers:  # kvbridge fit's runtime defaults too: hold-back, selective recompute (a source-logit criterion)
+        runtime = RuntimeOptions(hold_back=d.hold_back, recompute=d.recompute, recompute_by=d.recompute_by,
+                                 sink=d.sink, recompute_window=d.recompute_window)
     return MapperConfig(source=source_info, target=target_info, selection=selection, fit={"kind": "random"},
-                        levers=chosen, ranks=ranks, heads=heads)
+                        levers=chosen, ranks=ranks, heads=heads, runtime=runtime)
 
 
-def random_mapper(source, target, device, dtype, levers: bool = False):
-    """Random weights at the published geometry (``levers``: at kvbridge fit's defaults, source layers included)."""
+def random_mapper(source, target, device, dtype, levers: bool = False, **fast):
+    """Random weights at the published geometry (``levers``: at kvbridge fit's defaults, source layers included
+    and its runtime options; ``fast``: :func:`published_config`'s top_k, rank_fraction, head_blocks, source_depth)."""
     from .fit import FitConfig
-    from .mapper import Mapper
+    from .mapper import Mapper, keeps_dtype
     from .models import source_hidden_size
 
-    config = published_config(source.info, target.info, levers, source_hidden_size(source.model),
-                              top_k=FitConfig().top_k if levers else None)
+    if levers and "top_k" not in fast:
+        fast["top_k"] = FitConfig().top_k
+    config = published_config(source.info, target.info, levers, source_hidden_size(source.model), **fast)
     weights = {}
-    for name, shape in config.weight_shapes().items():  # 2-D weights scaled to keep activations O(1)
-        scale = shape[0] ** -0.5 if len(shape) == 2 else 0.0
-        weights[name] = torch.randn(shape, device=device, dtype=dtype) * scale
+    for name, shape in config.weight_shapes().items():  # matrices scaled to keep activations O(1); never zeros
+        scale = shape[-2] ** -0.5 if len(shape) >= 2 else 0.01
+        weights[name] = torch.randn(shape, device=device, dtype=torch.float32 if keeps_dtype(name) else dtype) * scale
     return Mapper(config, weights)
 
 
@@ -223,40 +231,75 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
     return "\n".join(lines)
 
 
-def fit_lines(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len: int, stride: int,
-              batch_size: int = 4) -> list[str]:
-    """The plain published fit (every source layer for every target layer, ridge 0.01) on random models and
-    random token ids: its time and measured peak beside the plan's. The models are not counted in either."""
-    from .fit import FitConfig, solve
-    from .plan import Phase, device_peak, measured_peak, model_shape, plan
-    from .stats import collect_statistics
+def published_fit(texts: int, seq_len: int, stride: int, batch_size: int = 4):
+    """The published fit's settings: every source layer for every target layer, ridge 0.01, no levers."""
+    from .fit import FitConfig
 
-    source = build("ministral3-3b-text", device, dtype, tiny)
-    target = build("ministral3-8b-text", device, dtype, tiny)
-    config = FitConfig(num_texts=texts, seq_len=seq_len, stride=stride, batch_size=batch_size, heldout_texts=0,
-                       lags=(0,), lever_inputs="same", mlp_hidden=0)
+    return FitConfig(num_texts=texts, seq_len=seq_len, stride=stride, batch_size=batch_size, heldout_texts=0,
+                     top_k=None, lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0)
+
+
+def fit_report(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len: int, stride: int,
+               batch_size: int = 4, totals: str = "auto", models=None) -> dict:
+    """The plain published fit (:func:`published_fit`) on random models and random token ids: capture and solve
+    times, where the statistics lived, and the measured peak beside the plan's for that choice. The models are
+    counted in neither (``models``: the (source, target) already built, else built here)."""
+    from .fit import solve
+    from .plan import Phase, device_peak, measured_peak, model_shape, plan
+    from .stats import collect_statistics, statistics_bytes, totals_device
+
+    source, target = models or (build("ministral3-3b-text", device, dtype, tiny),
+                                build("ministral3-8b-text", device, dtype, tiny))
+    config = published_fit(texts, seq_len, stride, batch_size)
     ids = torch.randint(12, source.tokenizer.vocab, (texts, seq_len), generator=torch.Generator().manual_seed(0))
+    name = str(dtype).replace("torch.", "")
+    shapes = model_shape(source.model.config), model_shape(target.model.config)
+    fx, fy = (m.layers * m.kv_features for m in shapes)
+    device_plan = plan(*shapes, config, device, name, totals="device")
+    transient = max(Phase(**p).device for p in device_plan["fit_phases"][:2]) - statistics_bytes(fx, fy)
+    where = totals_device(totals, torch.device(device), fx, fy, transient)
+    side = "device" if where.type != "cpu" and torch.device(device).type != "cpu" else "host"
 
     def fit():
         start = time.perf_counter()
-        stats = collect_statistics(source, target, ids, stride, batch_size)
+        stats = collect_statistics(source, target, ids, stride, batch_size, progress=False,
+                                   totals="device" if side == "device" else "cpu")
+        _sync(device)
         captured = time.perf_counter()
         _, _, report = solve(stats, source.info, target.info, None, config.ridge, device)
+        _sync(device)
         return captured - start, time.perf_counter() - captured, report
 
     (capture_s, solve_s, report), measured = measured_peak(fit, device)
-    name = str(dtype).replace("torch.", "")
-    planned = plan(model_shape(source.model.config), model_shape(target.model.config), config, device, name)
-    cpu = torch.device(device).type == "cpu"
+    planned = plan(*shapes, config, device, name, totals=side)
     predicted = device_peak([Phase(**p) for p in planned["fit_phases"]], device, ("capture", "solve"))
+    return {"device": device, "dtype": name, "tiny": tiny, "texts": texts, "seq_len": seq_len, "stride": stride,
+            "statistics_on": side, "capture_s": capture_s, "solve_s": solve_s, "key_r2": report["key"]["r2_fit_mean"],
+            "measured_peak_bytes": measured, "planned_peak_bytes": predicted,
+            "measured_over_planned": measured / predicted}
+
+
+def fit_lines(report: dict) -> list[str]:
+    """:func:`fit_report` as text."""
+    r = report
+    cpu = torch.device(r["device"]).type == "cpu"
     return [
-        f"fit at the {'tiny' if tiny else 'Ministral-3 3B→8B'} geometry on {device} ({name}, random weights and "
-        f"ids): {texts} × {seq_len} tokens, stride {stride}, every source layer for every target layer",
-        f"  capture {capture_s:.1f} s, solve {solve_s:.1f} s; key R² {report['key']['r2_fit_mean']:.3f}",
-        f"  peak beyond the models: measured {measured / 2**30:.3f} GiB "
-        f"({'tensor-bytes account, host and device' if cpu else 'CUDA allocator'}), planned {predicted / 2**30:.3f} "
-        f"GiB (kvbridge plan: capture and solve), measured/planned {measured / predicted:.2f}",
+        f"fit at the {'tiny' if r['tiny'] else 'Ministral-3 3B→8B'} geometry on {r['device']} ({r['dtype']}, random "
+        f"weights and ids): {r['texts']} × {r['seq_len']} tokens, stride {r['stride']}, every source layer for every "
+        f"target layer; statistics on the {r['statistics_on']}",
+        f"  capture {r['capture_s']:.1f} s, solve {r['solve_s']:.1f} s, "
+        f"together {r['capture_s'] + r['solve_s']:.1f} s; "
+        f"key R² {r['key_r2']:.3f}",
+        f"  peak beyond the models: measured {r['measured_peak_bytes'] / 2**30:.3f} GiB "
+        f"({'tensor-bytes account, host and device' if cpu else 'CUDA allocator'}), planned "
+        f"{r['planned_peak_bytes'] / 2**30:.3f} GiB (kvbridge plan: capture and solve), measured/planned "
+        f"{r['measured_over_planned']:.2f}",
     ]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> None:
@@ -285,6 +328,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fit-texts", type=int, default=500, help="calibration sequences for --fit (default: 500)")
     parser.add_argument("--fit-seq-len", type=int, default=1024, help="tokens per sequence for --fit (default: 1024)")
     parser.add_argument("--fit-stride", type=int, default=4, help="observe every S-th token for --fit (default: 4)")
+    parser.add_argument("--statistics-on", choices=("auto", "device", "host"), default="auto",
+                        help="where --fit keeps its float64 statistics (default: auto, the GPU when they fit)")
     parser.add_argument("--resident", action="store_true",
                         help="only build the plain published mapper (zero weights, bfloat16, on --device) and print "
                              "the memory it holds (about 7.4 GB at peak while it is built)")
@@ -296,8 +341,8 @@ def main(argv=None) -> None:
         print(resident_line(args.device))
         return
     if args.fit:
-        print("\n".join(fit_lines(args.device, getattr(torch, args.dtype), args.tiny, args.fit_texts,
-                                  args.fit_seq_len, args.fit_stride)))
+        print("\n".join(fit_lines(fit_report(args.device, getattr(torch, args.dtype), args.tiny, args.fit_texts,
+                                             args.fit_seq_len, args.fit_stride, totals=args.statistics_on))))
         return
     if args.json:
         check_output_file(args.json, "--json")

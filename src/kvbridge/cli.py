@@ -201,6 +201,10 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ridge", type=float, default=0.01,
                      help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    p.add_argument("--statistics-on", choices=("auto", "device", "host"), default="auto",
+                   help="where the float64 statistics live during the fit: the models' GPU (fast: the capture runs "
+                        "at its float64 speed), host memory, or auto: the GPU when they fit there with the solve's "
+                        "working memory (default)")
     p.add_argument("--heldout-texts", type=int, default=4,
                      help="sequences for the held-out R², cut from the last documents, which the fit then does not "
                           "read (default: 4; 0 to skip)")
@@ -493,7 +497,8 @@ def _fit_and_write(args, config, texts, out, device) -> int:
         _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {device})")
     source = load_model(args.source, args.source_revision, device, dtype)
     target = load_model(args.target, args.target_revision, args.target_device or device, dtype)
-    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet, distributed=distributed.launched())
+    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet, distributed=distributed.launched(),
+                        totals=args.statistics_on)
     if not main_process:
         return 0
     mapper.save_pretrained(out)
@@ -544,7 +549,8 @@ def _cmd_plan(args) -> int:
     dtype = str(default_dtype(kind) if args.dtype == "auto" else resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
     source = model_shape(read_config(args.source, args.source_revision), args.source)
     target = model_shape(read_config(args.target, args.target_revision), args.target)
-    result = plan(source, target, config, args.device, dtype, contexts, args.batch, args.processes)
+    totals = None if args.statistics_on == "auto" else args.statistics_on
+    result = plan(source, target, config, args.device, dtype, contexts, args.batch, args.processes, totals)
     print(plan_table(result))
     if args.json:
         write_text(args.json, json.dumps(result, indent=2) + "\n")

@@ -28,7 +28,8 @@ import torch
 
 from .errors import InputError
 from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
-from .models import LoadedModel, position_limit, prefill_content, source_hidden_size
+from .models import LoadedModel, prefill_content, source_hidden_size
+from .plan import check_geometry, fit_phases, model_shape
 from .recompute import CRITERIA, is_window
 from .stats import (
     CalibrationStats,
@@ -428,47 +429,20 @@ def _peak_memory_bytes(device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def check_geometry(config: FitConfig, source_layers: int, target_layers: int, max_positions=(), kv_heads=()
-                   ) -> None:
-    """Settings that name layers or lengths the models do not have, refused before any work (fit and plan).
-    ``max_positions``: each model's limit, 0 or None when it has none; ``kv_heads``: (source, target) KV heads."""
-    if config.head_blocks is not None and kv_heads and any(h % config.head_blocks for h in kv_heads):
-        raise InputError(f"--head-blocks {config.head_blocks} must divide both models' KV heads "
-                         f"({kv_heads[0]} and {kv_heads[1]}); pass a common divisor of them.")
-    if config.source_depth is not None and config.source_depth > source_layers:
-        raise InputError(f"--source-depth {config.source_depth}: the source has {source_layers} layers; pass at most "
-                         "that (or leave it out).")
-    if config.top_k is not None and config.top_k > source_layers:
-        raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
-                         "(or --top-k all for all of them).")
-    limit = position_limit(*max_positions)
-    if config.seq_len > limit:
-        raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
-                         f"most {limit}.")
-    for flag, value in (("--hold-back", config.hold_back), ("--recompute-window", config.recompute_window)):
-        if value > limit:  # recorded as runtime options: a value no prompt can honour would label native as mapped
-            raise InputError(f"{flag} {value} exceeds the {limit} positions these models support; pass at most "
-                             f"{limit}.")
-    if config.native_layers >= target_layers:
-        raise InputError(f"--native-layers {config.native_layers}: the target has {target_layers} layers and the map "
-                         f"must fill at least one; pass at most {target_layers - 1}.")
-    if config.has_levers and config.lever_layers and min(config.lever_layers) < config.native_layers:
-        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target computes its first "
-                         f"{config.native_layers} layers itself (--native-layers); put levers on layers "
-                         f"{config.native_layers} to {target_layers - 1}.")
-    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers - config.native_layers:
-        raise InputError(f"--lever-count {config.lever_count}: the map fills {target_layers - config.native_layers} "
-                         "target layers; pass at most that.")
-    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers:
-        raise InputError(f"--lever-count {config.lever_count}: the target has {target_layers} layers; pass at most "
-                         "that.")
-    if config.has_levers and config.lever_layers and max(config.lever_layers) >= target_layers:
-        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target_layers} layers "
-                         f"(0 to {target_layers - 1}).")
+def working_memory(source: LoadedModel, target: LoadedModel, config: FitConfig) -> int:
+    """Device bytes the capture and the solve need beside statistics kept on the device (from the plan of this
+    fit: :func:`kvbridge.plan.fit_phases`), for :func:`kvbridge.stats.totals_device`'s "auto"."""
+    from .stats import statistics_bytes
+
+    itemsize = next(target.model.parameters()).element_size()
+    s, t = model_shape(source.model.config), model_shape(target.model.config)
+    phases = fit_phases(s, t, config, itemsize, "device")
+    stats = statistics_bytes(s.layers * s.kv_features, t.layers * t.kv_features)
+    return max(p.device for p in phases if p.name in ("capture", "solve")) - stats
 
 
 def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], config: FitConfig,
-               progress: bool = True, distributed: bool = False) -> Mapper | None:
+               progress: bool = True, distributed: bool = False, totals: str = "auto") -> Mapper | None:
     """Fit a mapper from ``source`` to ``target`` on ``texts``.
 
     ``distributed``: every process of an initialised torch.distributed group calls it (see
@@ -478,7 +452,9 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
 
     The last documents, enough for ``heldout_texts`` sequences, are held out whole for the held-out
     R²; the fit reads the first ``num_texts`` sequences of the others. ``calibration_sha256`` in
-    ``mapper.json`` is :func:`kvbridge.hashing.sha256_texts` of all of ``texts`` as given.
+    ``mapper.json`` is :func:`kvbridge.hashing.sha256_texts` of all of ``texts`` as given. ``totals``: where the
+    float64 statistics live ("auto": the models' GPU when they and the capture's and solve's working memory fit
+    there, else host memory; "device"; "host"), see :func:`kvbridge.stats.totals_device`.
     """
     from .hashing import sha256_texts
     from .models import check_same_tokenizer
@@ -507,7 +483,8 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
 
     main_process = not distributed or is_main()
     stats = collect_statistics(source, target, fit_seqs, config.stride, config.batch_size,
-                               progress and main_process, distributed=distributed)
+                               progress and main_process, distributed=distributed, totals=totals,
+                               transient=working_memory(source, target, config) if totals == "auto" else 0)
     if not main_process:  # this process's share is in rank 0's statistics now
         return None
     solve_start = time.perf_counter()

@@ -321,6 +321,12 @@ class MapperConfig:
         return max((max(v.lags) for v in self.levers), default=0)
 
     @property
+    def read_layers(self) -> tuple[int, ...]:
+        """The source layers any map reads, in order: the only ones a transfer needs to gather (the runtime's
+        features hold these, :meth:`Mapper.map_features`)."""
+        return tuple(sorted({s for kind in KINDS for chosen in self.selection[kind] for s in chosen}))
+
+    @property
     def source_depth(self) -> int:
         """How many of the source's layers (its first) the maps read: its prefill for a transfer can stop there."""
         return 1 + max(s for kind in KINDS for chosen in self.selection[kind] for s in chosen)
@@ -450,7 +456,7 @@ class GemmGroup:
     """Target layers reading the same features, mapped by one GEMM (and at most one residual MLP)."""
 
     features: Features
-    sources: torch.Tensor | None  # (S,) source layer ids, None = all source layers in order
+    sources: torch.Tensor | None  # (S,) indices into the read source layers (config.read_layers), None = all of them
     targets: tuple[int, ...]
     weight: torch.Tensor  # (F_in, n·Ft)
     bias: torch.Tensor  # (n·Ft,)
@@ -699,9 +705,9 @@ class Mapper:
         config = self.config
         groups = []
         slot = 0
-        all_layers = tuple(range(config.source.num_layers))
+        read = config.read_layers  # the runtime's features hold these source layers only: sources index into them
         for spec, targets, has_mlp, factored in config.groups(kind):
-            sources = None if spec.sources == all_layers else torch.tensor(spec.sources)
+            sources = None if spec.sources == read else torch.tensor([read.index(s) for s in spec.sources])
             if factored:
                 groups.append(self._factored_group(kind, spec, sources, targets, slot))
                 slot += len(targets)
@@ -864,7 +870,8 @@ class Mapper:
         them (``config.reads_state``).
         """
         self._check_inputs(keys, values, past, state)
-        kv = kv_features(keys, values, dtype=self.dtype, device=self.device)
+        read = self.config.read_layers
+        kv = kv_features([keys[s] for s in read], [values[s] for s in read], dtype=self.dtype, device=self.device)
         mapped = self.map_features(kv, positions, past, None if state is None else state.transpose(0, 1))
         return self.layer_views("key", mapped["key"]), self.layer_views("value", mapped["value"])
 
@@ -900,8 +907,9 @@ class Mapper:
     def map_features(self, kv: torch.Tensor, positions: torch.Tensor | None = None, past: int = 0,
                      state: torch.Tensor | None = None, out: dict[str, torch.Tensor] | None = None
                      ) -> dict[str, torch.Tensor]:
-        """The map proper: ``kv`` (P+T, B, 2, Ls, Hs, Ds) from :func:`kv_features`, in the mapper's dtype and
-        device → per kind a buffer (T, B, Lt, Ht, Dt), target layers in :attr:`slots` order.
+        """The map proper: ``kv`` (P+T, B, 2, R, Hs, Ds) from :func:`kv_features` over the R source layers the maps
+        read (:attr:`MapperConfig.read_layers`, in order), in the mapper's dtype and device → per kind a buffer
+        (T, B, Lt, Ht, Dt), target layers in :attr:`slots` order.
 
         ``state`` (P+T, B, Hs) token-major; ``positions`` and ``past`` as in :meth:`map`. ``out``: buffers of
         that shape, dtype and device to fill (the rows of a cache being built), else new ones. Each GEMM

@@ -450,11 +450,15 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positi
     :func:`cache_only`) or ``"hidden"``
     (decoder only, and its final hidden states (B, T, hidden) in place of the logits).
     """
+    from .graphs import assumed_unpadded
+
     device = next(model.parameters()).device
     if position_ids is None:
         position_ids = positions_from_mask(attention_mask)
-    kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                  position_ids=position_ids.to(device), use_cache=True)
+    # an unpadded batch needs no mask: transformers would read it on the host to find that out
+    mask = None if assumed_unpadded() else attention_mask.to(device)
+    kwargs = dict(input_ids=input_ids.to(device), attention_mask=mask, position_ids=position_ids.to(device),
+                  use_cache=True)
     if cache is not None:
         kwargs.update(with_cache(cache))
     if depth is not None and logits != "none":

@@ -11,12 +11,14 @@ source features one target layer reads, R observations gathered before one stati
 
 Fit phases (see :mod:`kvbridge.stats` and :func:`kvbridge.fit.fit_mapper`):
 
-* capture — host: K and V statistics in float64, 2·8·(Fx² + Fx·Fy + Fx + 2·Fy). Device: the observation
-  buffers R·(Fx + Fy) for keys (float32: RoPE removed) and for values (model dtype), plus the larger of
-  one batch's caches, features and activations, or one blocked update (two R × block float64 operands
-  and a block × block product).
-* solve — device: one copy of G_SS and its Cholesky factor (2·S²·8) and one layer's C and W; host: the
-  statistics, the index copy of G_SS when a layer reads a subset, both kinds' float32 weights.
+* capture — the K and V statistics in float64, 2·8·(Fx² + Fx·Fy + Fx + 2·Fy), on the device when the fit
+  keeps them there (``totals="device"``, the fit's choice on a GPU with room for them), else on the host.
+  Device: the observation buffers R·(Fx + Fy) for keys (float32: RoPE removed) and for values (model dtype),
+  plus the larger of one batch's caches, features and activations, or one blocked update (two R × block
+  float64 operands and a block × block product).
+* solve — device: one copy of G_SS and its Cholesky factor (2·S²·8) and one layer's C and W, beside the
+  statistics when they are there; host: the statistics (when they are there), the index copy of G_SS when a
+  layer reads a subset, both kinds' float32 weights.
 * lever solve — host: each lever's statistics and the residual MLP's sample (float32), the plain weights;
   device: a lever's G and its factor.
 * lever MLP — host: the sample three times (collected, concatenated, standardised) and a training step
@@ -194,16 +196,21 @@ def selected_features(config, source: ModelShape) -> int:
     return layers * source.kv_features
 
 
-def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) -> list[Phase]:
-    """The fit's phases for :class:`kvbridge.fit.FitConfig` ``config``, models in ``itemsize``-byte floats.
+def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int, totals: str = "host"
+               ) -> list[Phase]:
+    """The fit's phases for :class:`kvbridge.fit.FitConfig` ``config``, models in ``itemsize``-byte floats,
+    the statistics' totals on the ``totals`` side ("host" or "device", :func:`kvbridge.stats.totals_device`).
 
     Device figures exclude the model weights (see :func:`plan`); host figures are one process's.
     """
-    from .stats import BLOCK, FLUSH_OBSERVATIONS
+    from .stats import BLOCK, FLUSH_OBSERVATIONS, statistics_bytes
 
+    if totals not in ("host", "device"):
+        raise InputError(f"the statistics' totals are kept on the 'host' or the 'device', not {totals!r}.")
     fs, ft = source.kv_features, target.kv_features
     fx, fy = source.layers * fs, target.layers * ft
-    stats = 2 * F64 * (_square(fx) + fx * fy + fx + 2 * fy)
+    stats = statistics_bytes(fx, fy)
+    on_host, on_device = (stats, 0) if totals == "host" else (0, stats)
     observed = math.ceil(config.seq_len / config.stride)
     batch_tokens = config.batch_size * config.seq_len
     rows = min(FLUSH_OBSERVATIONS, max(config.num_texts * observed, 1))
@@ -215,19 +222,20 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int) ->
     features = (batch_tokens + config.batch_size * observed) * (fx + fy) * (F32 + itemsize)
     forward = max(source.activations(batch_tokens, itemsize), target.activations(batch_tokens, itemsize))
     batch = caches + content + features
-    capture = Phase("capture", stats, buffers + max(batch + forward, batch // 2 + update),
-                    {"statistics (host)": stats, "observation buffers": buffers, "one batch": batch + forward,
+    capture = Phase("capture", on_host, on_device + buffers + max(batch + forward, batch // 2 + update),
+                    {f"statistics ({totals})": stats, "observation buffers": buffers, "one batch": batch + forward,
                      "one blocked update": update})
 
     sel = selected_features(config, source)
     subset = sel != fx
     layer_solve = sel * ft * (F64 + F64 + F32) + ft * F64  # C (on the device), W, W in float32, bias
     weights = 2 * target.layers * sel * ft * F32  # both kinds' float32 weights, all solved by the end
-    solve_device = 2 * F64 * _square(sel) + layer_solve
-    solve_host = stats + weights + (F64 * (_square(sel) + sel * ft) if subset else 0)
+    index_copy = F64 * (_square(sel) + sel * ft) if subset else 0  # G_SS and C rows of a subset, where the stats are
+    solve_device = on_device + 2 * F64 * _square(sel) + layer_solve + (index_copy if on_device else 0)
+    solve_host = on_host + weights + (0 if on_device else index_copy)
     solve = Phase("solve", solve_host, solve_device,
                   {"G_SS copy and factor (device)": 2 * F64 * _square(sel), "one layer's C and W": layer_solve,
-                   "statistics (host)": stats, "weights (host)": weights})
+                   f"statistics ({totals})": stats, "weights (host)": weights})
     phases = [capture, solve]
 
     levers = _levers(config, source, target)
@@ -293,6 +301,48 @@ def mapper_parameters(source: ModelShape, target: ModelShape, config) -> int:
     return plain + extra
 
 
+def check_geometry(config, source_layers: int, target_layers: int, max_positions=(), kv_heads=()
+                   ) -> None:
+    """Settings that name layers or lengths the models do not have, refused before any work (fit and plan).
+    ``config``: a :class:`kvbridge.fit.FitConfig`; ``max_positions``: each model's limit, 0 or None when it has none;
+    ``kv_heads``: (source, target) KV heads."""
+    from .models import position_limit
+
+    if config.head_blocks is not None and kv_heads and any(h % config.head_blocks for h in kv_heads):
+        raise InputError(f"--head-blocks {config.head_blocks} must divide both models' KV heads "
+                         f"({kv_heads[0]} and {kv_heads[1]}); pass a common divisor of them.")
+    if config.source_depth is not None and config.source_depth > source_layers:
+        raise InputError(f"--source-depth {config.source_depth}: the source has {source_layers} layers; pass at most "
+                         "that (or leave it out).")
+    if config.top_k is not None and config.top_k > source_layers:
+        raise InputError(f"--top-k {config.top_k}: the source has {source_layers} layers; pass at most that "
+                         "(or --top-k all for all of them).")
+    limit = position_limit(*max_positions)
+    if config.seq_len > limit:
+        raise InputError(f"--seq-len {config.seq_len} exceeds the {limit} positions these models support; pass at "
+                         f"most {limit}.")
+    for flag, value in (("--hold-back", config.hold_back), ("--recompute-window", config.recompute_window)):
+        if value > limit:  # recorded as runtime options: a value no prompt can honour would label native as mapped
+            raise InputError(f"{flag} {value} exceeds the {limit} positions these models support; pass at most "
+                             f"{limit}.")
+    if config.native_layers >= target_layers:
+        raise InputError(f"--native-layers {config.native_layers}: the target has {target_layers} layers and the map "
+                         f"must fill at least one; pass at most {target_layers - 1}.")
+    if config.has_levers and config.lever_layers and min(config.lever_layers) < config.native_layers:
+        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target computes its first "
+                         f"{config.native_layers} layers itself (--native-layers); put levers on layers "
+                         f"{config.native_layers} to {target_layers - 1}.")
+    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers - config.native_layers:
+        raise InputError(f"--lever-count {config.lever_count}: the map fills {target_layers - config.native_layers} "
+                         "target layers; pass at most that.")
+    if config.has_levers and config.lever_layers is None and config.lever_count > target_layers:
+        raise InputError(f"--lever-count {config.lever_count}: the target has {target_layers} layers; pass at most "
+                         "that.")
+    if config.has_levers and config.lever_layers and max(config.lever_layers) >= target_layers:
+        raise InputError(f"--lever-layers {list(config.lever_layers)}: the target has {target_layers} layers "
+                         f"(0 to {target_layers - 1}).")
+
+
 def device_peak(phases: list[Phase], device: str, names: tuple[str, ...] | None = None) -> int:
     """The largest phase on the fit's device (of ``names`` only, if given); on CPU host and device add up."""
     cpu = torch.device(device).type == "cpu"
@@ -300,11 +350,13 @@ def device_peak(phases: list[Phase], device: str, names: tuple[str, ...] | None 
 
 
 def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", dtype: str = "bfloat16",
-         contexts: tuple[int, ...] | None = None, batch: int = 1, processes: int = 1) -> dict:
+         contexts: tuple[int, ...] | None = None, batch: int = 1, processes: int = 1, totals: str | None = None
+         ) -> dict:
     """The whole plan as a JSON-ready dict: ``fit_peak_bytes`` is the fit's working memory on ``device``
     (beyond the model weights; on CPU host memory included); ``processes`` fit processes on one machine
-    each hold their own statistics in host memory."""
-    from .fit import check_geometry
+    each hold their own statistics. ``totals``: where the fit keeps them, "host" or "device" (default: the
+    device on an accelerator, where ``kvbridge fit`` keeps them when they fit, else the host); the plan also
+    gives the other choice's peak."""
     from .models import position_limit
 
     check_geometry(config, source.layers, target.layers, (source.max_positions, target.max_positions))
@@ -316,7 +368,10 @@ def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", d
     if processes < 1:
         raise InputError("--processes must be at least 1.")
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    phases = fit_phases(source, target, config, itemsize)
+    accelerator = torch.device(device).type != "cpu"
+    totals = ("device" if accelerator else "host") if totals is None else totals
+    phases = fit_phases(source, target, config, itemsize, totals)
+    other = "host" if totals == "device" else "device"
     weights = (source.parameters + target.parameters) * itemsize
     peak = device_peak(phases, device)
     peak_phase = next(p.name for p in phases if device_peak([p], device) == peak)
@@ -327,6 +382,8 @@ def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", d
         "fit_settings": asdict(config),
         "fit_peak_bytes": peak,
         "fit_peak_phase": peak_phase,
+        "fit_totals": totals,
+        f"fit_peak_bytes_totals_on_{other}": device_peak(fit_phases(source, target, config, itemsize, other), device),
         "fit_models_bytes": weights,
         "fit_device_total_bytes": peak + weights,
         "fit_host_peak_bytes_per_process": host,
@@ -384,7 +441,10 @@ def plan_table(result: dict) -> str:
              "| Fit phase | Host | Device (beyond the models) |", "|---|---:|---:|"]
     for p in result["fit_phases"]:
         lines.append(f"| {p['name']} | {gib(p['host'])} | {gib(p['device'])} |")
-    lines += ["", f"fit peak on {result['device']}: {gib(result['fit_peak_bytes'])} ({result['fit_peak_phase']}), "
+    other = "host" if result["fit_totals"] == "device" else "device"
+    lines += ["", f"fit peak on {result['device']}: {gib(result['fit_peak_bytes'])} ({result['fit_peak_phase']}; "
+                  f"statistics on the {result['fit_totals']}, "
+                  f"{gib(result[f'fit_peak_bytes_totals_on_{other}'])} with them on the {other}), "
                   f"plus the models' weights {gib(result['fit_models_bytes'])} = "
                   f"{gib(result['fit_device_total_bytes'])}; host peak {gib(result['fit_host_peak_bytes_per_process'])}"
                   + (f" in rank 0, {gib(result['fit_host_peak_bytes_all_processes'])} for all "

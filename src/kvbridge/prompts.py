@@ -71,7 +71,10 @@ def check_batch(ids: Any, mask: Any, vocab: int) -> None:
     if ids.dim() != 2 or ids.shape != mask.shape or ids.is_floating_point() or ids.shape[1] < 2:
         raise InputError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must be integer tensors of one "
                          "shape (B, T) with T >= 2; Bridge.encode or Bridge.pad makes them.")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    from .graphs import capturing
+
+    # (the values cannot be read while a CUDA graph records: its caller checked them on the host)
+    if ids.numel() and not capturing() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise InputError(f"ids hold token ids outside the vocabulary [0, {vocab}).")
 
 

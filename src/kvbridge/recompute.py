@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -151,10 +152,17 @@ def choose_columns(scores: torch.Tensor, mask: torch.Tensor, fraction: float, si
     as it would alone; ``n`` is the widest row's count, and a row with fewer fills its surplus with pad
     columns, which nothing attends to (a shorter row has at least as many pads as it needs).
     """
+    from .graphs import assumed_unpadded
+
     mask = mask.to(scores.device)
-    real = mask.sum(-1)  # (B,)
-    counts = recompute_counts(fraction, real, sink)  # (B,)
-    n = min(int(counts.max()), mask.shape[1])
+    if assumed_unpadded():  # every row is whole: its count from the length, on the host (nothing read back)
+        b, t = mask.shape
+        n = min(t, max(int(sink), math.ceil(fraction * t)))  # recompute_counts' float64 arithmetic, in Python
+        counts = torch.full((b,), n, dtype=torch.long, device=mask.device)
+    else:
+        counts = recompute_counts(fraction, mask.sum(-1), sink)  # (B,)
+        n = int(counts.max())
+    n = min(n, mask.shape[1])
     ranked = scores.float().masked_fill(mask == 0, float("-inf"))
     if sink:  # each row's first real token: the column where the mask turns on
         first = (mask.cumsum(-1) == 1) & (mask == 1)
@@ -276,6 +284,7 @@ def owing_cache(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: 
     layer = _scatter_layer_class()
     work.layers = [layer(k, v, index, i == len(keys) - 1, pending) for i, (k, v) in enumerate(zip(keys, values))]
     work.kvbridge_pending = pending
+    work.kvbridge_total = getattr(cache, "kvbridge_total", None)  # the map's finiteness sum, read after a graph
     return work
 
 

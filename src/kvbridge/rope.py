@@ -137,10 +137,12 @@ def rope_factors(model, position_ids: torch.Tensor, inverse: bool = False) -> tu
     when every row's positions are 0 … T−1). Otherwise, for negative positions, and on an accelerator
     (where the module is cheap and a table lookup would sync), they come from the module at every call.
     """
+    from .graphs import capturing
+
     rotary = rotary_module(model)
     inv = getattr(rotary, "inv_freq", None)
     if getattr(rotary, "rope_type", None) in TABLE_ROPE_TYPES and isinstance(inv, torch.Tensor) \
-            and inv.device.type == "cpu":
+            and inv.device.type == "cpu" and not capturing():
         position_ids = position_ids.to(inv.device)
         plain = plain_positions(position_ids)
         if plain or int(position_ids.min()) >= 0:
@@ -166,8 +168,10 @@ def factor_table(model, rotary, high: int) -> tuple[tuple[torch.Tensor, torch.Te
 
 def plain_positions(position_ids: torch.Tensor) -> bool:
     """Whether every row's positions are its column indices 0 … T−1 (no padding). Always False on an
-    accelerator, where the check would sync: callers then take the general path."""
-    return position_ids.device.type == "cpu" and torch.equal(
+    accelerator, where the check would sync, and while a graph records: callers then take the general path."""
+    from .graphs import capturing
+
+    return position_ids.device.type == "cpu" and not capturing() and torch.equal(
         position_ids, torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids))
 
 
@@ -195,6 +199,57 @@ def rotate_(k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     k1.mul_(c1).addcmul_(k2, s1)
     k2.mul_(c2).add_(t)
     return k
+
+
+def _rotated(k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_`'s result as a new float32 tensor (one expression: what a fused kernel computes)."""
+    x = k.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c[..., :half] + x2 * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:]), dim=-1)
+
+
+def _rotate_cast_(dst: torch.Tensor, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
+    dst.copy_(_rotated(k, c, s))
+
+
+_FUSED: dict[str, Any] = {"enabled": None, "kernel": None, "failed": None}
+
+
+def fuse(enabled: bool | None) -> None:
+    """Whether :func:`rotate_cast_` runs as one fused kernel (``torch.compile``): True, False, or None (the
+    default: on CUDA devices only; on CPU the eager float32 path is as fast and bit-stable)."""
+    _FUSED.update(enabled=enabled, failed=None)
+
+
+def fused_for(device: torch.device) -> bool:
+    enabled = _FUSED["enabled"]
+    return (device.type == "cuda" if enabled is None else enabled) and _FUSED["failed"] is None
+
+
+def fuse_failure() -> str | None:
+    """Why the fused kernel was given up for the eager path in this process (None: it was not)."""
+    return _FUSED["failed"]
+
+
+def rotate_cast_(dst: torch.Tensor, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``dst`` ← ``k`` rotated by factors ``c``, ``s`` (:func:`rotate_`'s formula), computed in float32 and written
+    in ``dst``'s dtype; ``k`` may be ``dst`` itself or another layout's view (e.g. a cache's (B, H, T, D) permuted
+    token-major). One pass over the data where the fused kernel runs (:func:`fuse`; when ``k`` and ``dst`` share no
+    storage); else a float32 copy rotated in place. The two agree to float32 rounding."""
+    if fused_for(dst.device) and dst.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        if _FUSED["kernel"] is None:
+            _FUSED["kernel"] = torch.compile(_rotate_cast_, dynamic=True, fullgraph=True)
+        try:
+            _FUSED["kernel"](dst, k, c, s)
+            return dst
+        except Exception as exc:  # inductor missing a compiler, an unsupported device: the eager path computes it too
+            _FUSED["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    keys = k if k is dst and dst.dtype == torch.float32 else k.to(dst.device, torch.float32, copy=True)
+    rotate_(keys, c, s)
+    if keys is not dst:
+        dst.copy_(keys)
+    return dst
 
 
 def swap_halves(k: torch.Tensor) -> torch.Tensor:

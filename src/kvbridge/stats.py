@@ -15,10 +15,11 @@ Each update is centered on its own mean, then merged with the running totals by 
 update of Chan, Golub & LeVeque; the same :meth:`KVStats.merge` combines shards exactly (to float64
 rounding), and :meth:`KVStats.all_reduce` does it across torch.distributed processes.
 
-Where the memory goes: the totals live in host memory; observations are gathered on the models'
-device in their dtype (:class:`ObservationBuffer`) and added ``block`` × ``block`` features at a
-time, so the device never holds a Gram-sized tensor. Memory is fixed by the geometry, not by the
-data size; ``kvbridge plan`` predicts it.
+Where the memory goes: observations are gathered on the models' device in their dtype
+(:class:`ObservationBuffer`) and added ``block`` × ``block`` features at a time. The float64 totals live on
+the models' device when it is an accelerator with room for them (``totals="auto"``: the products then never
+leave it, and the fit runs at the device's float64 speed), else in host memory, where the device never holds a
+Gram-sized tensor. Memory is fixed by the geometry, not by the data size; ``kvbridge plan`` predicts it.
 """
 
 from __future__ import annotations
@@ -256,6 +257,28 @@ class ObservationBuffer:
         self.x = self.y = None
 
 
+def statistics_bytes(fx: int, fy: int) -> int:
+    """Bytes of the K and V totals of :class:`KVStats` (float64): means, Gram, cross and ssq for both kinds."""
+    return 2 * 8 * (fx * fx + fx * fy + fx + 2 * fy)
+
+
+def totals_device(choice, models_device: torch.device, fx: int, fy: int, transient: int = 0) -> torch.device:
+    """Where :func:`collect_statistics` keeps its float64 totals: ``choice`` "cpu" (host memory), "device" (the
+    models' device), or "auto": the models' device when it is a CUDA device whose free memory holds the totals and
+    ``transient`` bytes more (the rest of the capture and the solve, :mod:`kvbridge.plan`), else host memory."""
+    if choice not in ("auto", "cpu", "device"):
+        raise InputError(f"statistics totals go to 'auto', 'cpu' or 'device', not {choice!r}.")
+    models_device = torch.device(models_device)
+    if choice == "cpu" or models_device.type == "cpu":
+        return torch.device("cpu")
+    if choice == "device":
+        return models_device
+    if models_device.type != "cuda":
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info(models_device)
+    return models_device if free >= statistics_bytes(fx, fy) + transient else torch.device("cpu")
+
+
 def shard(sequences: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This process's share of the calibration sequences: every ``world``-th one from ``rank``."""
     return sequences[rank::world]
@@ -271,10 +294,13 @@ def collect_statistics(
     buffer_rows: int = FLUSH_OBSERVATIONS,
     block: int = BLOCK,
     distributed: bool = False,
+    totals: str = "cpu",
+    transient: int = 0,
 ) -> CalibrationStats:
     """One pass over ``sequences`` (N, T): capture both caches, accumulate K and V statistics.
 
-    The totals (float64) live in host memory; observations are gathered on the models' device in their
+    The totals (float64) live where ``totals`` says (:func:`totals_device`: "cpu", "device", or "auto" with
+    ``transient`` bytes of headroom on the device); observations are gathered on the models' device in their
     dtype, ``buffer_rows`` at a time, and added block by block (``block`` features a side). Under
     torch.distributed each process reads its :func:`shard` of the sequences and the totals are
     all-reduced: every process ends with the statistics of all of them (``distributed``: the caller has
@@ -287,7 +313,8 @@ def collect_statistics(
 
     fx = source.info.num_layers * source.info.kv_features
     fy = target.info.num_layers * target.info.kv_features
-    stats = CalibrationStats(key=KVStats(fx, fy, "cpu", block), value=KVStats(fx, fy, "cpu", block))
+    where = totals_device(totals, target.device, fx, fy, transient)
+    stats = CalibrationStats(key=KVStats(fx, fy, where, block), value=KVStats(fx, fy, where, block))
     if distributed and not (dist.is_available() and dist.is_initialized()):
         raise InputError("distributed=True needs an initialised torch.distributed process group "
                          "(kvbridge.distributed.start, or run under torchrun).")

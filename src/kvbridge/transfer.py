@@ -23,6 +23,7 @@ import torch
 
 from .errors import CompatibilityError, InputError, NumericalError
 from .generation import Generation, generate_ids, generate_texts
+from .graphs import assumed_unpadded, capturing
 from .mapper import KINDS, Mapper, kv_features
 from .models import (
     LoadedModel,
@@ -37,7 +38,7 @@ from .models import (
 )
 from .prompts import PromptBatches, check_batch
 from .recompute import Stored, reading, selective_recompute
-from .rope import plain_positions, rope_factors, rotate_
+from .rope import plain_positions, rope_factors, rotate_, rotate_cast_
 from .scoring import Score, score_ids, score_texts
 
 Mode = Literal["mapped", "native", "source"]
@@ -63,6 +64,8 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
     src_k, src_v = cache_kv(source_cache)
+    read = mapper.config.read_layers  # the features hold the source layers the maps read, no others
+    src_k, src_v = [src_k[s] for s in read], [src_v[s] for s in read]
     batch, _, tokens, _ = src_k[0].shape
     t_cfg = mapper.config.target
     param = next(target_model.parameters())
@@ -85,22 +88,31 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     for t0 in range(first, tokens, chunk_tokens):
         sl = slice(t0, min(t0 + chunk_tokens, tokens))
         src = slice(max(0, t0 - lag), sl.stop)  # the chunk plus the tokens its lagged features read
-        kv = kv_features(src_k, src_v, src, torch.float32)  # (P+T, B, 2, Ls, Hs, Ds), on the source's device
-        rotate_(kv[:, :, 0], *(f[src] for f in unrotate))  # content keys, every source layer at once
+        kv = content_features(src_k, src_v, src, [f[src] for f in unrotate], mapper.dtype, m_dev)  # (P+T, B, 2, R, …)
         rows = dict(zip(KINDS, out[:, sl]))
-        mapped = mapper.map_features(kv.to(m_dev, mapper.dtype), positions[:, src].to(m_dev) if masked else None,
+        # float32 keys are rotated in place; lower precision ones on their way from a chunk's buffer into the
+        # cache (one read and one write each, rotate_cast_'s fused kernel taking no aliased operands)
+        into = dict(rows, key=torch.empty_like(rows["key"])) if out.dtype != torch.float32 else rows
+        mapped = mapper.map_features(kv, positions[:, src].to(m_dev) if masked else None,
                                      t0 - src.start, None if state is None else state[:, src].to(m_dev).transpose(0, 1),
-                                     out=rows if direct else None)
+                                     out=into if direct else None)
         del kv  # a chunk's transient memory is its features or its keys' rotation, not both
-        rotate_into(rows["key"], mapped["key"], *(f[sl] for f in rotate))
+        rotate_cast_(rows["key"], mapped["key"], *(f[sl].to(out.device) for f in rotate))
         if not direct:
             rows["value"].copy_(mapped["value"])
     # one sum and one sync for the whole cache (NaN and Inf survive a sum; a finite cache whose sum
-    # overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage
-    if not math.isfinite(out.sum(dtype=torch.float32)):
-        raise NumericalError("the mapped cache holds NaN or Inf values; the mapper's weights or the source's "
-                             "outputs are not finite. Run `kvbridge verify` on the mapper, or use float32.")
-    return make_cache(target_model, mapper.layer_views("key", out[0]), mapper.layer_views("value", out[1]))
+    # overflows float32 is garbage too): garbage in a cache decodes as plausible-looking garbage. While a CUDA
+    # graph records, the sum is kept on the device for the caller to read after the replay (:attr:`finite`).
+    total = out.sum(dtype=torch.float32)
+    if not capturing() and not math.isfinite(total):
+        raise NumericalError(NONFINITE)
+    cache = make_cache(target_model, mapper.layer_views("key", out[0]), mapper.layer_views("value", out[1]))
+    cache.kvbridge_total = total
+    return cache
+
+
+NONFINITE = ("the mapped cache holds NaN or Inf values; the mapper's weights or the source's outputs are not finite. "
+             "Run `kvbridge verify` on the mapper, or use float32.")
 
 
 @torch.no_grad()
@@ -129,13 +141,26 @@ def token_major(factors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tenso
     return tuple(f.transpose(0, 1)[:, :, None, None] for f in factors)
 
 
-def rotate_into(dst: torch.Tensor, mapped: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> None:
-    """``dst`` ← mapped content keys with the target's RoPE (factors ``c``, ``s``), computed in float32 (in
-    place when the map wrote ``dst`` itself in float32), then in ``dst``'s dtype."""
-    keys = mapped if mapped is dst and dst.dtype == torch.float32 else mapped.to(dst.device, torch.float32, copy=True)
-    rotate_(keys, c, s)
-    if keys is not dst:
-        dst.copy_(keys)
+def content_features(keys: list[torch.Tensor], values: list[torch.Tensor], rows: slice, unrotate, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """:func:`~kvbridge.mapper.kv_features` of the source's K/V columns ``rows`` with RoPE removed from the keys
+    (factors ``unrotate`` (T, B, 1, 1, D), already cut to ``rows``), in ``dtype`` on ``device``: the map's input.
+
+    In float32 the keys are gathered, then un-rotated in place, every layer at once. In lower precision each
+    layer's keys go straight from the cache to the buffer through one float32 rotation
+    (:func:`~kvbridge.rope.rotate_cast_`): no float32 copy of the whole buffer, and one pass on a GPU."""
+    if dtype == torch.float32:
+        kv = kv_features(keys, values, rows, torch.float32)  # (P+T, B, 2, R, Hs, Ds), on the source's device
+        rotate_(kv[:, :, 0], *unrotate)  # content keys, every layer at once
+        return kv.to(device)
+    b, h, _, d = keys[0].shape
+    t = keys[0][:, :, rows].shape[2]
+    kv = torch.empty((t, b, 2, len(keys), h, d), dtype=dtype, device=device)
+    c, s = (f.to(device) for f in unrotate)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        rotate_cast_(kv[:, :, 0, i], k[:, :, rows].permute(2, 0, 1, 3).to(device), c[:, :, 0], s[:, :, 0])
+        kv[:, :, 1, i].copy_(v[:, :, rows].permute(2, 0, 1, 3))
+    return kv
 
 
 def check_parts(source: LoadedModel, target: LoadedModel, mapper: Mapper) -> None:
@@ -169,9 +194,11 @@ class Bridge(PromptBatches):
     def __init__(self, source: LoadedModel, target: LoadedModel, mapper: Mapper, hold_back: int | None = None,
                  allow_revision_mismatch: bool = False, chunk_tokens: int = 1024, recompute: float | None = None,
                  sink: bool | None = None, recompute_by: str | None = None, recompute_window: int | None = None,
-                 native_layers: int | None = None):
+                 native_layers: int | None = None, cuda_graphs: bool = False):
         """``hold_back``, ``recompute``, ``recompute_by``, ``recompute_window``, ``sink`` and ``native_layers``
-        default to the mapper's runtime options."""
+        default to the mapper's runtime options. ``cuda_graphs``: :meth:`first_token_logits` of an unpadded batch
+        on a CUDA device replays a CUDA graph recorded for its shape (:mod:`kvbridge.graphs`) instead of launching
+        every kernel from Python; its cache is then the graph's, refilled by the next call of that shape."""
         check_parts(source, target, mapper)
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
             raise InputError(f"chunk_tokens must be an integer >= 1, not {chunk_tokens!r}.")
@@ -188,6 +215,9 @@ class Bridge(PromptBatches):
         self.recompute, self.recompute_by, self.sink = options.recompute, options.recompute_by, options.sink
         self.recompute_window, self.native_layers = options.recompute_window, options.native_layers
         self.chunk_tokens = chunk_tokens
+        if not isinstance(cuda_graphs, bool):
+            raise InputError(f"cuda_graphs must be True or False, not {cuda_graphs!r}.")
+        self.cuda_graphs, self._graphs = cuda_graphs, {}
         mapper.check_models(source.info, target.info, allow_revision_mismatch)
         self.source, self.target, self.mapper, self.hold_back = source, target, mapper, options.hold_back
         self.tokenizer = target.tokenizer
@@ -214,7 +244,8 @@ class Bridge(PromptBatches):
         """Prompt tokens the target reads itself: ``hold_back``, or fewer when the batch's shortest prompt is
         not longer (the source prefills at least one token of each). One count per batch: a short prompt lowers
         it for its batch-mates, whose results then differ slightly from the same prompts run alone."""
-        return max(1, min(self.hold_back, int(mask.sum(-1).min()) - 1))
+        shortest = mask.shape[1] if assumed_unpadded() else int(mask.sum(-1).min())
+        return max(1, min(self.hold_back, shortest - 1))
 
     @property
     def selects_tokens(self) -> bool:
@@ -322,6 +353,10 @@ class Bridge(PromptBatches):
         to the last one's logits (with selective recompute, in the same forward pass as the recomputed
         tokens). ``source``: the same as native with the source model.
         """
+        if self.cuda_graphs and not assumed_unpadded():
+            graphed = self._graphed_first_token(ids, mask, mode)
+            if graphed is not None:
+                return graphed
         if mode != "mapped":
             model = self.target.model if mode == "native" else self.source.model
             cache, logits = prefill(model, ids, mask, logits="last")
@@ -330,10 +365,28 @@ class Bridge(PromptBatches):
         device = next(model.parameters()).device
         m = self.held_back(mask)
         with reading(model):
-            out = model(input_ids=ids[:, -m:].to(device), attention_mask=mask.to(device),
+            whole = None if assumed_unpadded() else mask.to(device)  # (an unpadded batch: no mask to inspect)
+            out = model(input_ids=ids[:, -m:].to(device), attention_mask=whole,
                         position_ids=positions_from_mask(mask)[:, -m:].to(device), **with_cache(cache), use_cache=True,
                         logits_to_keep=1)
         return cache_of(out), out.logits[:, -1]
+
+    def _graphed_first_token(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode):
+        """:meth:`first_token_logits` through a CUDA graph of this batch's shape, or None where none can run (a
+        padded batch, or not a CUDA device): ids are checked here, on the host, since the graph cannot."""
+        from .graphs import GraphCache
+
+        device = (self.source if mode == "source" else self.target).device
+        if device.type != "cuda" or mode not in MODES or not bool(mask.all()):
+            return None
+        check_batch(ids, mask, self.vocab)
+        if mode not in self._graphs:
+            self._graphs[mode] = GraphCache(lambda i: self.first_token_logits(i, torch.ones_like(i), mode), device)
+        cache, logits = self._graphs[mode](ids.to(device))
+        total = getattr(cache, "kvbridge_total", None)
+        if total is not None and not math.isfinite(total):
+            raise NumericalError(NONFINITE)
+        return cache, logits
 
     # -- generation (kvbridge.generation) ----------------------------------------------------------
     def generate_ids(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode = "mapped", max_new_tokens: int = 32,
