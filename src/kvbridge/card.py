@@ -213,6 +213,16 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
             parts.append("\n".join(lines))
             family[length] = {"mean_floor_normalized_retention": mean, "rows": rows}
         summary["family_tasks"] = {"device": demo.get("device"), "threads": demo.get("threads"), "lengths": family}
+        if demo.get("third_party"):  # the lead figure: what the target adds over the source, kept by the map
+            from .gap import gap_table
+
+            parts.append(f"### What the map keeps of the target's lead over the source: "
+                         f"{demo['third_party'].get('texts', 'third-party text')} ({demo.get('device', 'cpu')})\n\n"
+                         "Gap recovered = (mapped − source) ÷ (native − source), perplexity in log space, with a "
+                         "paired bootstrap interval over documents; n/s where the target does not beat the source "
+                         "beyond noise. Agreement, first divergence and distinct 4-grams: greedy continuations "
+                         "compared with native's.\n\n" + gap_table(demo["third_party"]))
+            summary["third_party"] = demo["third_party"]
     if not parts:
         return ("Not measured. Run `kvbridge eval --source S --target T --mapper THIS_FOLDER --out EVAL` and then "
                 "`kvbridge card THIS_FOLDER --eval EVAL`.", {})

@@ -33,9 +33,9 @@ def _add_pair(p: argparse.ArgumentParser) -> None:
                    help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
 
 
-def _add_mapper(p: argparse.ArgumentParser) -> None:
+def _add_mapper(p: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
     g = p.add_argument_group("mapper")
-    g.add_argument("--mapper", required=True, help="mapper folder or hub id")
+    g.add_argument("--mapper", required=required, help=f"mapper folder or hub id{default_help}")
     g.add_argument("--mapper-revision", help="hub revision of the mapper")
     g.add_argument("--mapper-device", help="device of the mapper (default: --device)")
     g.add_argument("--allow-revision-mismatch", action="store_true",
@@ -385,6 +385,40 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--with-source", action="store_true", help="also run the source alone")
     ev.add_argument("--out", help="folder for results.json (full lm-eval output) and table.md")
 
+    gp = sub.add_parser("gap", help="what the mapped target keeps of the target's lead over the source, on third-party "
+                                    "text: gap recovered, free generation, TTFT",
+                        description="Measures, per context length, perplexity and cloze (native, mapped, source "
+                                    "alone) with gap recovered = (mapped - source) / (native - source) and its paired "
+                                    "bootstrap interval over documents; free generation (greedy continuations' "
+                                    "agreement with native, first divergence, distinct 4-grams) and a span stated far "
+                                    "back, written (exact match), for mapped and for the source alone; and time to "
+                                    "first token, native vs mapped, at the same length. Texts: the third-party Python "
+                                    "shipped with the family (validation packages to choose settings, held-out "
+                                    "packages to report), or --texts FILE. CPU figures on CPU.", epilog=EPILOG)
+    _add_pair(gp)
+    _add_mapper(gp, required=False, default_help=" (default: the family's shipped mapper, with --family default)")
+    gp.add_argument("--split", choices=("validation", "heldout"), default="heldout",
+                    help="which third-party packages: validation to choose settings on, heldout to report "
+                         "(default: heldout)")
+    gp.add_argument("--kind", choices=("code", "prose"), default="code",
+                    help="their Python (code) or their READMEs (prose) (default: code)")
+    gp.add_argument("--texts", help="a .txt or .jsonl file of your own texts instead")
+    gp.add_argument("--lengths", type=_int_list, default=(1024, 2048),
+                    help="context lengths in tokens, comma-separated (default: 1024,2048)")
+    gp.add_argument("--items", type=int, default=48, help="rows per length, one per document (default: 48)")
+    gp.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per continuation (default: 48)")
+    gp.add_argument("--tasks", default="perplexity,cloze,recall,continuation",
+                    help="comma-separated subset of perplexity, cloze, recall, continuation (default: all)")
+    gp.add_argument("--hold-back", type=int, help="override the mapper's hold-back (last prompt tokens the target "
+                                                  "reads itself)")
+    gp.add_argument("--recompute", type=float, help="override the mapper's selective recompute share (0-1)")
+    gp.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token measurement")
+    gp.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default: 8)")
+    gp.add_argument("--out", help="folder for gap.json and gap.md")
+    gp.add_argument("--table", metavar="GAP_JSON",
+                    help="print (and with --out, rewrite) the tables of a saved gap.json instead of measuring")
+    gp.add_argument("--quiet", action="store_true", help="no progress lines")
+
     dg = sub.add_parser("diagnose", help="per-layer R², attention-output cosine, next-token KL and top-1 agreement",
                         description="On held-out text: R² of mapped K and V per target layer, cosine of the target's "
                                     "attention outputs with native vs mapped K/V (its own queries, query scaling "
@@ -683,7 +717,59 @@ def _bridge(args):
         args.source, args.target, args.mapper, source_revision=args.source_revision,
         target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
         dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
-        hold_back=getattr(args, "hold_back", None), allow_revision_mismatch=args.allow_revision_mismatch)
+        hold_back=getattr(args, "hold_back", None), recompute=getattr(args, "recompute", None),
+        allow_revision_mismatch=args.allow_revision_mismatch)
+
+
+def _cmd_gap(args) -> int:
+    import shlex
+
+    from .gap import TASKS, GapConfig, gap_table, provenance, run_gap, write_report
+    from .texts import read_texts
+
+    if args.table:
+        import json
+
+        try:
+            report = json.loads(Path(args.table).read_text(encoding="utf-8"))
+            print(gap_table(report))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KVBridgeError(f"{args.table} is not a readable gap.json ({exc.__class__.__name__}: {exc}); pass "
+                                "the file `kvbridge gap --out DIR` wrote.") from None
+        if args.out:
+            write_report(report, args.out)
+        return 0
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if not tasks or set(tasks) - set(TASKS):
+        raise KVBridgeError(f"--tasks must name some of {', '.join(TASKS)}, not {args.tasks!r}.")
+    if args.items < 4 or args.new_tokens < 1 or args.batch_size < 1 or min(args.lengths) < 64:
+        raise KVBridgeError("--items must be >= 4, --new-tokens and --batch-size >= 1, and every length >= 64.")
+    if args.out:
+        check_output_dir(args.out)
+    if not args.mapper:
+        if args.family != "default":
+            raise KVBridgeError("only the default family ships a mapper: pass --mapper (fit one with kvbridge fit).")
+        from . import family
+
+        args.mapper = family.mapper_path()
+    if args.texts:
+        texts, label = read_texts(args.texts), args.texts
+    else:
+        from .family.external import external_texts
+
+        texts, label = external_texts(args.split, args.kind), f"third-party {args.kind}, {args.split} packages"
+    bridge = _bridge(args)
+    say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
+    config = GapConfig(lengths=args.lengths, items=args.items, new_tokens=args.new_tokens, tasks=tasks,
+                       batch_size=args.batch_size, ttft=not args.no_ttft)
+    report = run_gap(bridge, texts, config, progress=say, label=label)
+    report["provenance"] = provenance("kvbridge gap " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["gap"] else []))
+    print(f"Texts: {label}; mapper {args.mapper}; hold-back {bridge.hold_back}; CPU figures where the device is cpu.")
+    print(gap_table(report))
+    if args.out:
+        folder = write_report(report, args.out)
+        print(f"\nwritten: {folder / 'gap.json'}, {folder / 'gap.md'}")
+    return 0
 
 
 def _cmd_eval(args) -> int:
@@ -940,14 +1026,15 @@ def _clip(text: str, width: int) -> str:
 
 
 COMMANDS = {"fit": _cmd_fit, "plan": _cmd_plan, "generate": _cmd_generate, "demo": _cmd_demo, "bench": _cmd_bench,
-            "frontier": _cmd_frontier,
+            "frontier": _cmd_frontier, "gap": _cmd_gap,
             "eval": _cmd_eval, "lm-eval": _cmd_lm_eval, "diagnose": _cmd_diagnose,
             "inspect": _cmd_inspect, "verify": _cmd_verify, "card": _cmd_card, "push": _cmd_push}
 
 
 def _family_pair(args) -> None:
     """--family stands for --source/--target (the commands that take a pair); one of the two is needed."""
-    if not (hasattr(args, "family") and hasattr(args, "source")) or args.command == "frontier":
+    if not (hasattr(args, "family") and hasattr(args, "source")) or args.command == "frontier" \
+            or getattr(args, "table", None):  # kvbridge gap --table reads a saved report: no models
         return
     if args.family:
         if args.source or args.target or args.source_revision or args.target_revision:

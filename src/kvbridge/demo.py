@@ -22,9 +22,10 @@ from .artifact import check_writable_artifact_dir
 from .bench import bench_table, run_bench
 from .card import write_card
 from .errors import KVBridgeError
-from .evaluate import bootstrap_interval, capped_mean_retention, family_tasks, mean_retention
+from .evaluate import bootstrap_interval, capped_mean_retention, family_tasks, gap_cell, mean_retention
 from .fit import FitConfig, fit_mapper
 from .frontier import ttft
+from .gap import GapConfig, gap_table, run_gap
 from .mapper import Mapper, check_mapper
 from .outputs import check_output_dir, write_text
 from .transfer import Bridge
@@ -40,6 +41,7 @@ class DemoConfig:
     trials: int
     prompts: int = 2
     new_tokens: int = 24
+    gap: GapConfig = GapConfig(lengths=(1024,), items=48)  # third-party held-out code: gap recovered, generation
     headline_trials: int = 5  # per round of the headline's interleaved TTFT timing
     headline_rounds: int = 5
 
@@ -49,7 +51,8 @@ FULL = DemoConfig(fit=FitConfig(),  # kvbridge fit's defaults: the frontier's re
 QUICK = DemoConfig(fit=FitConfig(num_texts=8, seq_len=128, stride=4, heldout_texts=2, batch_size=8, mlp_steps=20,
                                  mlp_batch=256, tune_steps=10),
                    task_items=8, task_lengths=(128,), contexts=(32, 64), warmup=1, trials=3, new_tokens=8,
-                   headline_trials=2, headline_rounds=3)
+                   headline_trials=2, headline_rounds=3,
+                   gap=GapConfig(lengths=(128,), items=8, new_tokens=8, trials=2, rounds=2))
 PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0, top_k=None, recompute=0.0, sink=False,
              hold_back=1)  # the published card's map: every source layer, no levers
 
@@ -60,15 +63,16 @@ def _say(message: str = "") -> None:
 
 def _side_by_side(plain: list, recommended: list) -> str:
     """One table: native, source, floor once; mapped and retention for the plain map and the recommended one."""
-    lines = ["| Task | Native | Source alone | Floor | Plain map | Retention | Recommended | Retention |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| Task | Native | Source alone | Floor | Plain map | Retention | Gap recovered | Recommended | "
+             "Retention | "
+             "Gap recovered |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda r, v: f"{v:.2f}" if not r.higher_is_better else f"{100 * v:.1f}%"  # noqa: E731
     for a, b in zip(plain, recommended):
         lines.append(f"| {a.task} | {fmt(a, a.native)} | {fmt(a, a.source)} | {fmt(a, a.floor)} | {fmt(a, a.mapped)} | "
-                     f"{100 * a.floor_normalized_retention:.1f}% | {fmt(b, b.mapped)} | "
-                     f"{100 * b.floor_normalized_retention:.1f}% |")
-    lines.append(f"| **Mean floor-normalized retention** | | | | | **{100 * mean_retention(plain):.1f}%** | | "
-                 f"**{100 * mean_retention(recommended):.1f}%** |")
+                     f"{100 * a.floor_normalized_retention:.1f}% | {gap_cell(a)} | {fmt(b, b.mapped)} | "
+                     f"{100 * b.floor_normalized_retention:.1f}% | {gap_cell(b)} |")
+    lines.append(f"| **Mean floor-normalized retention** | | | | | **{100 * mean_retention(plain):.1f}%** | | | "
+                 f"**{100 * mean_retention(recommended):.1f}%** | |")
     return "\n".join(lines)
 
 
@@ -147,13 +151,14 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
     held = family.heldout_texts()
     prompts = [bridge.tokenizer.decode(bridge.tokenizer(t, add_special_tokens=False)["input_ids"][:96])
                for t in held[: cfg.prompts]]
-    gens = {m: bridge.generate(prompts, mode=m, max_new_tokens=cfg.new_tokens) for m in ("native", "mapped")}
+    gens = {m: bridge.generate(prompts, mode=m, max_new_tokens=cfg.new_tokens) for m in ("native", "mapped", "source")}
     samples = []
     for i, prompt in enumerate(prompts):
-        a, b = gens["native"].token_ids[i], gens["mapped"].token_ids[i]
-        same = sum(x == y for x, y in zip(a, b))
+        a, b, c = (gens[m].token_ids[i] for m in ("native", "mapped", "source"))
         samples.append({"prompt_tail": prompt[-120:], "native": gens["native"].texts[i],
-                        "mapped": gens["mapped"].texts[i], "agreeing_tokens": same, "tokens": len(a)})
+                        "mapped": gens["mapped"].texts[i], "source": gens["source"].texts[i],
+                        "agreeing_tokens": sum(x == y for x, y in zip(a, b)),
+                        "source_agreeing_tokens": sum(x == y for x, y in zip(a, c)), "tokens": len(a)})
 
     # 4. retention on the family tasks, plain map and recommended levers side by side, at each length
     retention = {}
@@ -169,7 +174,16 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
         _say(f"\nRetention on held-out text ({cfg.task_items} documents × {length} tokens, CPU):\n")
         _say(_side_by_side(base, ours))
 
-    # 5. latency, time to first token included
+    # 5. what the mapped target keeps of the target's lead over the source on third-party code, generation included
+    from .family.external import external_texts
+
+    third_party = run_gap(bridge, external_texts("heldout"), cfg.gap, progress=lambda message: None,
+                          label="third-party code, held-out packages")
+    _say(f"\nWhat the target adds over the source, kept by the map: third-party Python (held-out packages, "
+         f"{cfg.gap.items} documents), CPU:\n")
+    _say(gap_table(third_party))
+
+    # 6. latency, time to first token included
     rows = run_bench(bridge, list(cfg.contexts), cfg.warmup, cfg.trials, progress=False)
     _say(f"\nLatency of the recommended mapper (batch 1, float32, {torch.get_num_threads()} CPU threads, "
          f"median of {cfg.trials}):\n")
@@ -184,12 +198,29 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
                 f"{timing['ttft_speedup']:.2f} ± {timing['speedup_noise']:.2f}× time to first token (median of "
                 f"{cfg.headline_rounds} interleaved rounds ± their median absolute deviation) at {int(longest):,} "
                 "tokens")
+    first = third_party["lengths"][0]
+    cells = {c["task"]: c for c in first["cells"]}
+    ppl, agree = cells.get("perplexity"), cells.get("agreement")
+    if ppl and ppl["target_leads"]:
+        lo, hi = ppl["gap_interval"]
+        gap_line = (f"on third-party code the mapped target keeps {100 * ppl['gap_recovered']:.0f} % [{100 * lo:.0f}, "
+                    f"{100 * hi:.0f}] of the target's perplexity lead over the source")
+    else:
+        gap_line = "on third-party code the target's perplexity lead over the source is inside the noise"
+    if agree:
+        gap_line += (f"; its greedy continuations agree with native's on {100 * agree['mapped']:.0f} % of tokens "
+                     f"(the source alone: {100 * agree['source']:.0f} %)")
+    if "ttft" in first:
+        gap_line += f", at {first['ttft']['ttft_speedup']:.2f}× time to first token"
+    headline = f"{gap_line} at {first['length']:,} tokens; on the family's own tasks, {headline}"
     _say(f"\nHeadline: {headline}")
     for i, sample in enumerate(samples):
         _say(f"\n=== held-out prompt {i} (…{sample['prompt_tail'][-60:]!r})")
         _say(f"--- native: {sample['native']!r}")
         _say(f"--- mapped: {sample['mapped']!r}")
-        _say(f"--- {sample['agreeing_tokens']}/{sample['tokens']} tokens agree")
+        _say(f"--- source alone: {sample['source']!r}")
+        _say(f"--- mapped agrees with native on {sample['agreeing_tokens']}/{sample['tokens']} tokens, the source "
+             f"alone on {sample['source_agreeing_tokens']}")
     figures = {
         "mode": "quick" if quick else "full",
         "device": "cpu",
@@ -201,6 +232,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
         "runtime": mapper.config.runtime.to_dict(),
         "samples": samples,
         "retention": retention,
+        "third_party": third_party,
         "latency": [r.to_dict() for r in rows],
         "headline_ttft": timing,
         "headline": headline,

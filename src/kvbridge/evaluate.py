@@ -4,6 +4,12 @@ Definitions (docs/measures.md in the repository), for a score where higher is be
 
     raw retention              = mapped / native
     floor-normalized retention = (mapped − floor) / (native − floor)
+    gap recovered              = (mapped − source) / (native − source)
+
+Gap recovered is the lead figure: the share of what the target adds over the source alone that survives the map.
+Floor-normalized retention counts what the source already knows as kept (a map adding nothing over the source can
+score ~90 % where the source is nearly as good as the target); gap recovered does not. It means something only where
+the target beats the source beyond noise (:func:`target_leads`); tables say so instead of printing noise.
 
 Perplexity is lower-is-better; its retention is taken in the same spirit, on log-perplexity
 (per-token negative log-likelihood), with the target's *no-context* perplexity as the floor:
@@ -465,22 +471,59 @@ def counted(r: TaskResult) -> bool:
     return (r.native > r.floor) if r.higher_is_better else (r.native < r.floor)
 
 
+def gap_recovered(r: TaskResult) -> float:
+    """(mapped − source) ÷ (native − source) as a fraction (perplexity: on log-perplexity); NaN where native equals
+    the source. 1: the mapped target is as good as the target's own prefill; 0: no better than the source alone."""
+    if r.higher_is_better:
+        n, m, s = r.native, r.mapped, r.source
+    else:
+        n, m, s = -math.log(r.native), -math.log(r.mapped), -math.log(r.source)
+    return (m - s) / (n - s) if n != s else float("nan")
+
+
+def has_source(r: TaskResult) -> bool:
+    """Whether the result measured the source alone per item (what gap recovered and its interval need)."""
+    return bool(r.per_item) and all(m in r.per_item for m in ("native", "mapped", "source"))
+
+
+def target_leads(r: TaskResult, replicates: int = 1000, seed: int = 0) -> bool:
+    """Whether the target beats the source beyond noise: the paired 95 % interval of native − source (over
+    documents) lies above zero. Where it does not, there is no gap to recover and its ratio is noise."""
+    return has_source(r) and mapped_minus_source(r, replicates, seed, mode="native")[0] > 0
+
+
+def gap_interval(r: TaskResult, replicates: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Paired bootstrap interval of :func:`gap_recovered`, resampling documents (native, mapped and source together)."""
+    return bootstrap_interval([[r]], replicates, seed, level, statistic=lambda drawn: gap_recovered(drawn[0]))
+
+
+def gap_cell(r: TaskResult) -> str:
+    """Gap recovered with its interval, or why there is none (no source measured; target not ahead of the source)."""
+    if not has_source(r):
+        return "—"
+    if not target_leads(r):
+        return "n/s (target ≈ source)"
+    lo, hi = gap_interval(r)
+    return f"{100 * gap_recovered(r):.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
 def retention_table(results: list[TaskResult]) -> str:
-    """Markdown table in the published card's spirit, plus a mean row over tasks where native beats the floor."""
+    """Markdown table in the published card's spirit, plus a mean row over tasks where native beats the floor;
+    gap recovered (with its interval) beside the source where the source was measured per item."""
     def fmt(r: TaskResult, v: float) -> str:
         return f"{v:.2f}" if not r.higher_is_better else f"{100 * v:.2f}%"
 
-    lines = ["| Task | Metric | Native | Mapped | Source alone | Floor | Raw retention | Floor-normalized retention |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| Task | Metric | Native | Mapped | Source alone | Gap recovered [95 %] | Floor | Raw retention | "
+             "Floor-normalized retention |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         kept = (f"{100 * r.raw_retention:.2f}% | {100 * r.floor_normalized_retention:.2f}%" if counted(r)
                 else "n/a | n/a")
         lines.append(f"| {r.task} | {r.metric} | {fmt(r, r.native)} | {fmt(r, r.mapped)} | {fmt(r, r.source)} | "
-                     f"{fmt(r, r.floor)} | {kept} |")
+                     f"{gap_cell(r)} | {fmt(r, r.floor)} | {kept} |")
     defined = [r for r in results if counted(r)]
     if defined:
         raw = sum(r.raw_retention for r in defined) / len(defined)
         norm = sum(r.floor_normalized_retention for r in defined) / len(defined)
         label = "**Mean**" if len(defined) == len(results) else f"**Mean** ({len(defined)} of {len(results)} tasks)"
-        lines.append(f"| {label} | | | | | | {100 * raw:.2f}% | {100 * norm:.2f}% |")
+        lines.append(f"| {label} | | | | | | | {100 * raw:.2f}% | {100 * norm:.2f}% |")
     return "\n".join(lines)

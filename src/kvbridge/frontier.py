@@ -40,6 +40,8 @@ from .evaluate import (
     capped_mean_retention,
     counted,
     family_tasks,
+    gap_interval,
+    gap_recovered,
     mapped_minus_source,
     mean_retention,
     paired_replicates,
@@ -486,7 +488,10 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
                               "floor_normalized_retention": r.floor_normalized_retention,
                               "counted": counted(r),
                               "mapped_minus_source_95": [lo, hi], "below_source": hi < 0,
-                              "native_minus_source_95": leads[n, r.task]})
+                              "native_minus_source_95": leads[n, r.task],
+                              # share of the target's lead over the source kept: only where there is a lead
+                              **({"gap_recovered": gap_recovered(r), "gap_interval_95": list(gap_interval(r))}
+                                 if leads[n, r.task][0] > 0 else {"gap_recovered": None})})
         by_length = {}
         for n in lengths:
             timing = ttft(bridge, n, config.ttft_warmup, config.ttft_trials, config.ttft_rounds)
@@ -559,8 +564,9 @@ def frontier_table(report: dict) -> str:
     lengths, n = report["lengths"], report["headline_tokens"]
     head = (f"| Point | Validation @{n} | Held-out @{n} [95% interval] | "
             + " | ".join(f"@{m}: retention, TTFT speed-up" for m in lengths)
-            + " | Map MFLOP/token | Ministral-3 FLOP limit @1024 | Mapped below source on |")
-    lines = [head, "|---|---:|---:|" + "---:|" * (len(lengths) + 2) + "---|"]
+            + f" | Gap recovered, perplexity @{n} | Map MFLOP/token | Ministral-3 FLOP limit @1024 | "
+              "Mapped below source on |")
+    lines = [head, "|---|---:|---:|" + "---:|" * (len(lengths) + 3) + "---|"]
     for p in report["points"]:
         star = " **(recommended)**" if p["name"] == report["recommended"] else ""
         front = " ◆" if p["name"] in report["pareto"] else ""
@@ -572,7 +578,7 @@ def frontier_table(report: dict) -> str:
         real = p.get("real_geometry_ttft_flop_limit")
         lines.append(f"| {p['name']}{star}{front} | {100 * p['validation_retention']:.1f}% | "
                      f"{100 * p['retention']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | " + " | ".join(cells)
-                     + f" | {p['map_mflop_per_token']:.2f} | " + (f"{real:.2f}× | " if real else "— | ")
+                     + f" | {_gap(p, n)} | {p['map_mflop_per_token']:.2f} | " + (f"{real:.2f}× | " if real else "— | ")
                      + f"{', '.join(p['source_beats_mapped']) or '—'} |")
     lines.append("")
     chosen = next((p for p in report["points"] if p["name"] == report["recommended"]), None)
@@ -611,6 +617,18 @@ def frontier_table(report: dict) -> str:
                  f"retention minus the best one's reaches zero. Below source: the paired interval of mapped − source "
                  f"lies below zero. ◆ Pareto front at {n:,} tokens. {report['device']}, batch 1.")
     return "\n".join(lines)
+
+
+def _gap(point: dict, length: int) -> str:
+    """The point's gap recovered on perplexity at ``length`` with its interval ("n/s" where the target's lead over
+    the source is inside the noise; "—" for a report written before the figure existed)."""
+    task = next((t for t in point["tasks"] if t["task"] == "perplexity" and t["context_tokens"] == length), None)
+    if task is None or "gap_recovered" not in task:
+        return "—"
+    if task["gap_recovered"] is None:
+        return "n/s"
+    lo, hi = task["gap_interval_95"]
+    return f"{100 * task['gap_recovered']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
 def cell_name(task: dict) -> str:

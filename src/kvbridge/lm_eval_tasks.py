@@ -9,6 +9,7 @@ harness integration is exercised with no network. lm-eval is imported here and i
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -234,6 +235,7 @@ def metric_rows(results: dict[str, dict], tasks: list[str]) -> list[dict]:
                    "native_fallbacks": _task_count(counts.get("native_fallbacks", {}), task)}
             if "source" in results:
                 row["source"] = float(results["source"]["results"][task][key])
+                row.update(source_gap(row, native[task], results["source"]["results"][task], key))
             if any(word in metric for word in LOWER_IS_BETTER):  # no floor: raw retention only
                 row["floor"] = None
                 row["raw_retention"] = row["native"] / row["mapped"] if row["mapped"] else float("nan")
@@ -246,6 +248,25 @@ def metric_rows(results: dict[str, dict], tasks: list[str]) -> list[dict]:
     return rows
 
 
+def source_gap(row: dict, native: dict, source: dict, key: str) -> dict:
+    """Gap recovered, (mapped − source) ÷ (native − source), where the target beats the source beyond noise: the
+    difference is more than 1.96 standard errors of the two (lm-eval's own stderr, unpaired: wider than a paired
+    interval, so a lead it accepts is real). Lower-is-better metrics: on their logarithm."""
+    name, _, filt = key.partition(",")
+    stderr = [d.get(f"{name}_stderr,{filt}") for d in (native, source)]
+    n, m, s = row["native"], row["mapped"], row["source"]
+    if any(word in row["metric"] for word in LOWER_IS_BETTER):
+        if min(n, m, s) <= 0:
+            return {"gap_recovered": None, "target_leads": None}
+        n, m, s = -math.log(n), -math.log(m), -math.log(s)
+        stderr = [None, None]  # no stderr on the log scale: the lead is judged on the point values alone
+    if any(not isinstance(e, (int, float)) for e in stderr):
+        leads = n > s
+    else:
+        leads = n - s > 1.96 * math.sqrt(stderr[0] ** 2 + stderr[1] ** 2)
+    return {"gap_recovered": (m - s) / (n - s) if leads else None, "target_leads": leads}
+
+
 def in_mean(row: dict) -> bool:
     """A row enters the mean when it is its task's primary metric and native beats the floor."""
     return row["primary"] and row["floor"] is not None and row["native"] > row["floor"]
@@ -254,7 +275,7 @@ def in_mean(row: dict) -> bool:
 def eval_table(rows: list[dict], protocol: str = "default") -> str:
     """The card's table: primary metric of each task, the mean over them, then the other metrics."""
     has_source = any("source" in r for r in rows)
-    head = ("| Task | Metric | Shots | Native | Mapped |" + (" Source |" if has_source else "")
+    head = ("| Task | Metric | Shots | Native | Mapped |" + (" Source | Gap recovered |" if has_source else "")
             + " Floor | Raw retention | Floor-normalized retention | Scored natively in mapped mode |")
     lines = [f"Protocol: {protocol}" + (" (MMLU 5-shot, GSM8K 8-shot chain of thought, the others 0-shot)"
                                         if protocol == "card" else " (each task's own few-shot setting)"), "",
@@ -263,11 +284,17 @@ def eval_table(rows: list[dict], protocol: str = "default") -> str:
     def value(v, metric):
         return "n/a" if v is None else f"{v:.4g}" if any(w in metric for w in LOWER_IS_BETTER) else f"{100 * v:.2f}%"
 
+    def gap(r):
+        if r.get("gap_recovered") is not None:
+            return f"{100 * r['gap_recovered']:.1f}%"
+        return "n/s (target ≈ source)" if r.get("target_leads") is False else "n/a"
+
     def line(r):
         shots = "default" if r["num_fewshot"] is None else str(r["num_fewshot"])
         pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
         return (f"| {r['task']} | {r['metric']} | {shots} | {value(r['native'], r['metric'])} | "
-                f"{value(r['mapped'], r['metric'])} |" + (f" {value(r['source'], r['metric'])} |" if has_source else "")
+                f"{value(r['mapped'], r['metric'])} |" + (f" {value(r['source'], r['metric'])} | {gap(r)} |"
+                                                          if has_source else "")
                 + f" {value(r['floor'], r['metric'])} | {pct(r['raw_retention'])} | "
                 f"{pct(r['floor_normalized_retention'])} | {r['native_fallbacks']} of {r['requests']} |")
 
@@ -277,10 +304,10 @@ def eval_table(rows: list[dict], protocol: str = "default") -> str:
         raw = sum(r["raw_retention"] for r in counted) / len(counted)
         norm = sum(r["floor_normalized_retention"] for r in counted) / len(counted)
         label = f"**Mean** (primary metrics, {len(counted)} tasks)"
-        lines.append(f"| {label} | | | |" + (" |" if has_source else "")
+        lines.append(f"| {label} | | | |" + (" | |" if has_source else "")
                      + f" | | {100 * raw:.2f}% | {100 * norm:.2f}% | |")
     others = [r for r in rows if not r["primary"]]
     if others:
-        lines.append("| *other metrics, not in the mean* | | | | |" + (" |" if has_source else "") + " | | | |")
+        lines.append("| *other metrics, not in the mean* | | | | |" + (" | |" if has_source else "") + " | | | |")
         lines += [line(r) for r in others]
     return "\n".join(lines)

@@ -57,7 +57,7 @@ def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: 
                      progress=print) -> dict:
     """Per length: the family tasks with Bridge (native, source, mapped) and the engine's mapped column."""
     from ..evaluate import capped_mean_retention as capped_mean
-    from ..evaluate import family_tasks, mean_retention
+    from ..evaluate import family_tasks, gap_cell, mean_retention
 
     scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
     report = {"items": items, "lengths": {}}
@@ -69,23 +69,28 @@ def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: 
         progress(f"{length} tokens: engine done ({time.perf_counter() - started:.0f} s)")
         report["lengths"][str(length)] = {
             "bridge": [r.to_dict() for r in ref], "engine": [r.to_dict() for r in eng],
+            # gap recovered over the source alone, with its paired interval (n/s: the target does not lead)
+            "bridge_gap": [gap_cell(r) for r in ref], "engine_gap": [gap_cell(r) for r in eng],
             "bridge_mean_retention": mean_retention(ref), "engine_mean_retention": mean_retention(eng),
             "bridge_capped_mean_retention": capped_mean(ref), "engine_capped_mean_retention": capped_mean(eng)}
     return report
 
 
 def retention_rows(report: dict) -> str:
-    lines = ["| Tokens | Task | Native | Source alone | Bridge mapped | vLLM mapped | Bridge retention | "
-             "vLLM retention |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| Tokens | Task | Native | Source alone | Bridge mapped | vLLM mapped | Bridge gap recovered | "
+             "vLLM gap recovered | Bridge retention | vLLM retention |", "|---:|---|" + "---:|" * 8]
     for length, block in report["lengths"].items():
-        for b, e in zip(block["bridge"], block["engine"]):
+        gaps = zip(block.get("bridge_gap", ["—"] * len(block["bridge"])),  # (reports written before the figure)
+                   block.get("engine_gap", ["—"] * len(block["engine"])))
+        for b, e, (bg, eg) in zip(block["bridge"], block["engine"], gaps):
             fmt = (lambda v: f"{100 * v:.1f}%") if b["higher_is_better"] else (lambda v: f"{v:.2f}")  # noqa: E731
             lines.append(f"| {int(length):,} | {b['task']} | {fmt(b['native'])} | {fmt(b['source'])} | "
-                         f"{fmt(b['mapped'])} | {fmt(e['mapped'])} | {100 * b['floor_normalized_retention']:.1f}% | "
+                         f"{fmt(b['mapped'])} | {fmt(e['mapped'])} | {bg} | {eg} | "
+                         f"{100 * b['floor_normalized_retention']:.1f}% | "
                          f"{100 * e['floor_normalized_retention']:.1f}% |")
         for what, key in (("mean floor-normalized retention", "mean_retention"),
                           ("mean, each cell capped at 100 %", "capped_mean_retention")):
             bridge, engine = block[f"bridge_{key}"], block[f"engine_{key}"]
-            lines.append(f"| {int(length):,} | **{what}** | | | | | **{100 * bridge:.1f}%** | "
+            lines.append(f"| {int(length):,} | **{what}** | | | | | | | **{100 * bridge:.1f}%** | "
                          f"**{100 * engine:.1f}%** |")
     return "\n".join(lines)
