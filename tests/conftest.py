@@ -179,7 +179,7 @@ def family_fast_mapper(tmp_path_factory):
     torch.manual_seed(0)
     source, target = family.load_family()
     config = FitConfig(num_texts=16, seq_len=256, heldout_texts=2, mlp_steps=50, tune_steps=10, top_k=1, lever_top_k=1,
-                       recompute=0.0)
+                       recompute=0.0, hold_back=1)
     out = tmp_path_factory.mktemp("family") / "mapper"
     fit_mapper(source, target, family.calibration_texts(), config, progress=False).save_pretrained(out)
     return str(out)

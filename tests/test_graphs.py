@@ -20,10 +20,11 @@ def tiny_pair():
 @pytest.mark.parametrize("levers", [False, True])
 def test_the_mapped_path_reads_nothing_back_while_a_graph_records(tiny_pair, levers):
     """Under a graph's rules (any host read of a device value raises) the whole time-to-first-token path of an
-    unpadded batch runs — kvbridge fit's defaults included: levers, selective recompute by the source's logits —
+    unpadded batch runs — kvbridge fit's levers included, with a selective recompute by the source's logits —
     and gives exactly the eager logits; a padded-batch read is caught."""
     source, target = tiny_pair
-    bridge = Bridge(source, target, random_mapper(source, target, "cpu", torch.float32, levers=levers))
+    runtime = dict(hold_back=1, recompute=0.04) if levers else {}  # 48-token prompts: one token held back
+    bridge = Bridge(source, target, random_mapper(source, target, "cpu", torch.float32, levers=levers), **runtime)
     assert (bridge.recompute > 0) == levers
     ids = torch.randint(12, 500, (2, 48), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

@@ -23,7 +23,8 @@ def pair():
 def bridge(pair):
     source, target = pair
     mapper = fit_mapper(source, target, family.calibration_texts(),
-                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, tune_steps=20), progress=False)
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, tune_steps=20, hold_back=1,
+                                  recompute=0.04), progress=False)  # a runtime the short test rows leave work for
     return Bridge(source, target, mapper)
 
 
@@ -295,6 +296,10 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
             lo, hi = at["interval_95"]
             assert lo <= hi
         assert p["retention"] == p["by_length"]["256"]["retention"]  # the headline is one length's
+        # free generation for mapped and the source alone (native agrees with itself), gap recovered where it leads
+        assert set(p["generation"]) == {"agreement", "first divergence", "distinct 4-grams"}
+        assert p["generation"]["agreement"]["native"] == 1.0
+        assert all(("gap_interval_95" in t) == (t["gap_recovered"] is not None) for t in p["tasks"])
         lo, hi = p["interval_95"]
         assert lo <= hi
         for t in p["tasks"]:
@@ -314,6 +319,7 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "frontier.md").read_text()
     assert "Held-out @256" in table and "at 256 tokens" in table
+    assert "Gap recovered, perplexity @256" in table and "Greedy agreement with native @256" in table
     assert "Recommended minus *plain + recompute 10% at random (control)*" in table
     assert "beats the source alone beyond noise" in table and "The target itself (native)" in table
 

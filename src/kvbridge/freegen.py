@@ -74,12 +74,17 @@ def _result(task: str, metric: str, values: dict, keys: list, higher_is_better: 
 
 
 def continuation_results(bridge, contexts: list[list[int]], keys: list, new_tokens: int = 48,
-                         batch_size: int = 8) -> list[TaskResult]:
+                         batch_size: int = 8, known: dict | None = None) -> list[TaskResult]:
     """Agreement with native, first divergence and repetition of each mode's greedy continuation (one result each;
-    repetition's "floor" is 0, and lower is better for it: it is kept as 1 − repetition, *distinct 4-grams*)."""
+    repetition is kept as 1 − repetition, *distinct 4-grams*, so that higher is better for all three). ``known``:
+    continuations already written for these contexts (mode → lists), filled in with the ones written here — a
+    sweep over mappers writes native's and the source's once."""
     if not contexts:
         raise InputError("no contexts to continue.")
-    texts = {m: greedy(bridge, contexts, m, new_tokens, batch_size) for m in MODES}
+    texts = known if known is not None else {}
+    for mode in MODES:
+        if mode not in texts or mode == "mapped":
+            texts[mode] = greedy(bridge, contexts, mode, new_tokens, batch_size)
     native = texts["native"]
     agree = {m: [agreement(t, r) for t, r in zip(texts[m], native)] for m in MODES}
     diverge = {m: [float(first_divergence(t, r)) for t, r in zip(texts[m], native)] for m in MODES}

@@ -39,7 +39,7 @@ from .outputs import check_output_dir, write_text
 from .transfer import Bridge
 
 
-@dataclass
+@dataclass(frozen=True)
 class GapConfig:
     lengths: tuple[int, ...] = (1024, 2048)
     items: int = 48
