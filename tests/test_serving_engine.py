@@ -225,3 +225,23 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
         assert not isinstance(full.model, RopeOnly) and sum(p.numel() for p in full.model.parameters()) > 10**6
         assert full.info == light.info  # the same checkpoint, as the mapper's checks see it
 
+
+def test_a_mapped_score_never_reads_a_block_computed_for_another_request(engine, monkeypatch):
+    """serve-eval's scorer salts each request apart: the same context scored twice (two continuations, two calls)
+    maps its whole prefix every time and scores as Bridge; with one shared salt the second call would read the
+    blocks the target computed for the first, and the scorer refuses that."""
+    from kvbridge.serving.quality import EngineScorer
+
+    llm, config, bridge = engine
+    ids = prompts(bridge, (420,), offset=90)[0]
+    contexts, continuations = [ids[:400]], [ids[400:404], ids[404:410]]
+    scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
+    first = scorer.score_ids(contexts, continuations, per_context=2)
+    again = scorer.score_ids(contexts, continuations, per_context=2)
+    ref = bridge.score_ids(contexts, continuations, mode="mapped", per_context=2)
+    assert [s.logprob for s in first] == pytest.approx([s.logprob for s in again], abs=1e-4)
+    assert [s.logprob for s in first] == pytest.approx([s.logprob for s in ref], rel=1e-3, abs=1e-3)
+    monkeypatch.setattr(scorer, "salt", lambda: None)  # every request in the mapper's namespace alone
+    with pytest.raises(RuntimeError, match="from the prefix cache instead of mapping"):
+        for _ in range(2):
+            scorer.score_ids(contexts, continuations, per_context=2)
