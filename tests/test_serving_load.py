@@ -102,7 +102,7 @@ def test_a_ways_result_and_the_table():
     before = engine_counters(SCRAPE)
     after = dict(before, prompt_tokens=before["prompt_tokens"] + 5000, local_compute=before["local_compute"] + 50,
                  external_kv_transfer=before["external_kv_transfer"] + 4950, kvbridge_mapped=12.0)
-    r = way_result("mapped", 2.0, rows, 4.0, before, after, replicates=200)
+    r = way_result("mapped-sync", 2.0, rows, 4.0, before, after, replicates=200)
     assert r.output_tokens_per_s == 20.0 and r.computed_share == pytest.approx(0.01) and r.requests == 10
     assert r.counters["kvbridge_mapped"] == 10 and r.late_ms_max == 0.5
     base = way_result("plain", None, [dict(x, ttft_ms=50.0) for x in rows], 4.0, before, before, replicates=200)
@@ -111,7 +111,7 @@ def test_a_ways_result_and_the_table():
 
     report = {"rates": [2.0], "results": [asdict(base), asdict(dict_way("plain", r))]}
     table = load_table({"results": [asdict(r)]})
-    assert "| 2 | mapped | 10 |" in table and "10 / 0" in table and "1.0 %" in table
+    assert "| 2 | mapped-sync | 10 |" in table and "10 / 0" in table and "1.0 %" in table
     assert loaded_ratios(report)[0].startswith("at 2 req/s plain vLLM's p90 TTFT is 2.")
 
 
@@ -133,10 +133,10 @@ def test_the_load_option_per_server_and_per_request():
     from kvbridge.serving.config import ServeConfig, request_load
     from kvbridge.serving.middleware import check_body
 
-    assert ServeConfig(mapper="m", source="s", target="t").sync_load is False  # asynchronous by default
+    assert ServeConfig(mapper="m", source="s", target="t").sync_load is True  # synchronous by default (measured)
     with pytest.raises(InputError, match="sync_load must be true or false"):
         ServeConfig(mapper="m", source="s", target="t", sync_load="yes")
-    assert ServeConfig.from_extra({"mapper": "m", "source": "s", "target": "t", "sync_load": True}).sync_load
+    assert not ServeConfig.from_extra({"mapper": "m", "source": "s", "target": "t", "sync_load": False}).sync_load
     assert request_load(None, False) and not request_load(None, True)
     assert request_load({"kvbridge_load": "async"}, True) and not request_load({"kvbridge_load": "sync"}, False)
     with pytest.raises(InputError, match='must be "sync" or "async"'):

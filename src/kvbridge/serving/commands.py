@@ -118,10 +118,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-tokens", type=int, default=None,
                    help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
                         f"{d.min_tokens})")
-    r.add_argument("--sync-load", action="store_true",
-                   help="map each request inside the engine's step (every running request waits for it) instead of "
-                        "in a thread beside the steps while the request waits for its blocks (default: beside; per "
-                        "request kv_transfer_params {\"kvbridge_load\": \"sync\" | \"async\"})")
+    r.add_argument("--async-load", action="store_true",
+                   help="map each request in a thread beside the engine's steps, the request waiting for its blocks, "
+                        "instead of inside the step, every running request waiting for it (default: inside, which "
+                        "measured better on a 2-core CPU: docs/serving.md; per request kv_transfer_params "
+                        "{\"kvbridge_load\": \"sync\" | \"async\"})")
     r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair, or a `kvbridge serve-bench --json` "
                                    "one of this server's settings (through the engine, one request at a time): "
                                    "auto's threshold is the shortest context whose mapped TTFT beat native")
@@ -158,7 +159,7 @@ def _cmd_serve(args) -> int:
     min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
                                           native_rest=args.native_rest, store_memory_bytes=store_memory_bytes(args),
-                                          sync_load=args.sync_load,
+                                          sync_load=not args.async_load,
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none

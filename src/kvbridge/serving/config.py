@@ -91,9 +91,11 @@ class ServeConfig(ExtraConfig):
     source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's);
     ``store_memory_bytes``: blocks the source engine maps ahead are loaded into the worker's memory as they are
     announced, up to this many bytes (:mod:`kvbridge.serving.hot`; 0: read from the folder when a request needs them).
-    ``sync_load``: a mapped request's source prefill and map (or store read and map) run inside the engine's step,
-    every running request waiting for them; default false: they run in a worker thread beside the steps (vLLM's
+    ``sync_load`` (default): a mapped request's source prefill and map (or store read and map) run inside the
+    engine's step, every running request waiting for them; false: in a worker thread beside the steps (vLLM's
     asynchronous KV load: the request waits in ``WAITING_FOR_REMOTE_KVS`` and joins once its blocks are written).
+    Synchronous is the default because it measured better on a 2-core CPU (``kvbridge load-bench``: the thread's map
+    competes with the engine's steps for the cores and the interpreter, and took 1.7× as long).
     """
 
     mapper: str
@@ -109,7 +111,7 @@ class ServeConfig(ExtraConfig):
     store_verify: bool = True
     native_rest: int = 256
     store_memory_bytes: int = 1 << 30
-    sync_load: bool = False
+    sync_load: bool = True
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):

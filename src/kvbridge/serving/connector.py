@@ -13,13 +13,14 @@ positions vLLM uses) and writes the post-RoPE K/V through the attention backend'
 (``do_kv_cache_update`` with a slot mapping: the paged layout is the backend's business). The engine then
 computes the held-back tokens itself, over the mapped prefix, and decodes as usual, batched with everything else.
 
-Asynchronous loads (the default; ``sync_load`` in the settings or ``"kvbridge_load": "sync"`` per request turns
-them off): the connector answers vLLM that the request's prefix loads asynchronously, the scheduler allocates its
-blocks and parks it in ``WAITING_FOR_REMOTE_KVS``, and the worker runs the source prefill and the map (cold), or
-the store read and the map (warm), in a thread of its own (on a GPU, on a side CUDA stream) while the engine keeps
-stepping the other requests; once the blocks are written the worker reports the request in ``get_finished`` and it
-joins the batch. Synchronous loads run inside ``start_load_kv``, before the step's forward, every running request
-waiting for them. One map runs at a time either way. While the engine has nothing else to step, the worker waits for
+Asynchronous loads (``sync_load: false`` in the settings, ``kvbridge serve --async-load``, or ``"kvbridge_load":
+"async"`` per request; synchronous is the default: it measured better on a 2-core CPU): the connector answers vLLM
+that the request's prefix loads asynchronously, the scheduler allocates its blocks and parks it in
+``WAITING_FOR_REMOTE_KVS``, and the worker runs the source prefill and the map (cold), or the store read and the map
+(warm), in a thread of its own (on a GPU, on a side CUDA stream) while the engine keeps stepping the other requests;
+once the blocks are written the worker reports the request in ``get_finished`` and it joins the batch. Synchronous
+loads run inside ``start_load_kv``, before the step's forward, every running request waiting for them. One map runs
+at a time either way. While the engine has nothing else to step, the worker waits for
 a load to finish (at most ``IDLE_WAIT_S``) rather than spin through empty steps.
 
 Transfer is an optimization, never a dependency: when mapping fails for a request (an exception, a non-finite

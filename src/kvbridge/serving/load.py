@@ -7,9 +7,10 @@ trace against each *way*:
 * ``plain``: the plain server (no kv_transfer_params);
 * ``native``: the kvbridge server, ``{"kvbridge": "native"}`` (what the connector and middleware cost traffic that
   does not use them);
-* ``mapped``: the kvbridge server, ``{"kvbridge": "mapped"}``, the connector's default load (asynchronous unless
-  the server runs with ``--sync-load``): the source prefills, the mapper maps, the target computes the hold-back;
-* ``mapped-sync``: the same with ``"kvbridge_load": "sync"`` (the map inside the engine's step), to compare.
+* ``mapped-sync``: the kvbridge server, ``{"kvbridge": "mapped", "kvbridge_load": "sync"}``: the source prefills
+  and the mapper maps inside the engine's step (the server's default), the target computes the hold-back;
+* ``mapped-async``: the same with ``"kvbridge_load": "async"``: the map runs in the connector's thread beside the
+  engine's steps.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -37,9 +38,10 @@ from dataclasses import asdict, dataclass
 
 from ..errors import KVBridgeError
 
-WAYS = ("plain", "native", "mapped", "mapped-sync")
-PARAMS = {"plain": None, "native": {"kvbridge": "native"}, "mapped": {"kvbridge": "mapped"},
-          "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync"}}
+WAYS = ("plain", "native", "mapped-sync", "mapped-async")
+PARAMS = {"plain": None, "native": {"kvbridge": "native"},
+          "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync"},
+          "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async"}}
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 QUANTILES = (50, 90, 99)
 
