@@ -104,6 +104,10 @@ def test_vllm_arguments_and_the_pair_check(tmp_path):
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == "KVBridgeConnector"
     assert "--enforce-eager" in argv and argv[argv.index("--served-model-name") + 1] == "fam"
     assert vllm_argv(config(), "fam", "127.0.0.1", 1, ["--dtype", "bfloat16"]).count("--dtype") == 1
+    # --plain (the load benchmark's baseline): the same engine settings, no connector, no middleware
+    plain = vllm_argv(config(), "fam", "127.0.0.1", 8123, ["--max-num-seqs", "4"], plain=True)
+    assert "--kv-transfer-config" not in plain and "--middleware" not in plain
+    assert [a for a in argv if a not in plain] == argv[argv.index("--kv-transfer-config"):][:4]  # (and nothing else)
     assert preflight(config())["hold_back"] >= 1
     # swapped pair: refused before any engine starts
     with pytest.raises(CompatibilityError):

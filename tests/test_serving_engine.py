@@ -55,14 +55,19 @@ def prompts(bridge, lengths=LENGTHS, offset=0):
     return [[bos, *stream[a:a + n - 1]] for a, n in zip(starts, lengths)]
 
 
-def run(llm, config, rows, modes, salt=True):
+def run(llm, config, rows, modes, salt=True, loads=None):
+    """Greedy tokens and kv_transfer_params of ``rows``, in one engine run; ``salt``: True (the namespace's), False
+    (none) or a client salt of their own (kept apart from earlier runs' prefix-cache blocks); ``loads``: each
+    request's kvbridge_load ("sync" or "async"; None: the server's default)."""
     from vllm import SamplingParams
 
     from kvbridge.serving import mapped_request
 
     items, params = [], []
-    for ids, mode in zip(rows, modes):
-        item, extra = mapped_request(ids, config, mode)
+    for i, (ids, mode) in enumerate(zip(rows, modes)):
+        item, extra = mapped_request(ids, config, mode, cache_salt=salt if isinstance(salt, str) else None)
+        if loads is not None and loads[i] is not None:
+            extra["kv_transfer_params"]["kvbridge_load"] = loads[i]
         if not salt:
             item.pop("cache_salt", None)
         items.append(item)
@@ -113,16 +118,48 @@ def test_a_native_request_never_gets_mapped_blocks_from_the_prefix_cache(engine)
     assert st1[0]["kvbridge"] == "mapped" and st2[0]["kvbridge"].startswith("cached") and again == first
 
 
-def test_a_failed_map_is_a_native_answer_and_the_others_stay_mapped(engine):
+@pytest.mark.parametrize("load", ["async", "sync"])
+def test_a_failed_map_is_a_native_answer_and_the_others_stay_mapped(engine, load):
     from serving_faults import FAULT_MARKER
 
     llm, config, bridge = engine
     rows = prompts(bridge, (300, 400, 500), offset=30)
     rows[1] = bridge.tokenizer(FAULT_MARKER)["input_ids"] + rows[1][1:]  # BOS, the marker, the rest
-    outs, status = run(llm, config, rows, ["mapped"] * 3)
+    outs, status = run(llm, config, rows, ["mapped"] * 3, salt=f"fault-{load}", loads=[load] * 3)
     assert [s["kvbridge"] for s in status] == ["mapped", "fallback: RuntimeError: injected map failure", "mapped"]
     assert outs[1] == reference(bridge, rows[1], "native")
     assert outs[0] == reference(bridge, rows[0], "mapped") and outs[2] == reference(bridge, rows[2], "mapped")
+
+
+def test_asynchronous_loads_give_the_synchronous_tokens_mixed_and_concurrent(engine):
+    """Mixed lengths, sync and async loads in one batch beside native requests, then each prompt the other way
+    (salts of their own: no run reads another's blocks); the async loads run beside the engine's steps."""
+    llm, config, bridge = engine
+    lengths = (300, 2000, 130, 1024, 700, 256, 1312, 900)
+    rows = prompts(bridge, lengths, offset=70)
+    modes = ["mapped", "mapped", "native", "mapped", "mapped", "native", "mapped", "mapped"]
+    first = ["async" if i % 2 == 0 else "sync" for i in range(len(rows))]
+    flipped = ["sync" if x == "async" else "async" for x in first]
+    outs_a, st_a = run(llm, config, rows, modes, salt="load-a", loads=first)
+    outs_b, st_b = run(llm, config, rows, modes, salt="load-b", loads=flipped)
+    for ids, mode, a, b, sa, sb in zip(rows, modes, outs_a, outs_b, st_a, st_b):
+        assert a == b, len(ids)
+        if mode == "mapped":
+            assert sa["kvbridge"] == sb["kvbridge"] == "mapped", (sa, sb)
+            assert sa["kvbridge_mapped_tokens"] == sb["kvbridge_mapped_tokens"] == len(ids) - 1
+        else:
+            assert sa == sb == {"kvbridge": "native"}
+    all_async, st = run(llm, config, rows, modes, salt="load-c", loads=["async"] * len(rows))
+    assert all_async == outs_a and [s["kvbridge"] for s in st] == [s["kvbridge"] for s in st_a]
+    assert outs_a[1] == reference(bridge, rows[1], "mapped")  # (the longest, async in the first run)
+
+
+def test_a_bad_load_option_is_a_native_answer(engine):
+    llm, config, bridge = engine
+    ids = prompts(bridge, (300,), offset=80)[0]
+    outs, st = run(llm, config, [ids], ["mapped"], salt="bad-load", loads=["later"])
+    assert st[0]["kvbridge"].startswith("fallback: kv_transfer_params.kvbridge_load must be")
+    assert outs[0] == reference(bridge, ids, "native")
 
 
 def test_auto_maps_long_prompts_only_and_long_prefixes_fall_back(engine):
@@ -187,3 +224,24 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
         full = target_copy(config, options, torch.float32)
         assert not isinstance(full.model, RopeOnly) and sum(p.numel() for p in full.model.parameters()) > 10**6
         assert full.info == light.info  # the same checkpoint, as the mapper's checks see it
+
+
+def test_a_mapped_score_never_reads_a_block_computed_for_another_request(engine, monkeypatch):
+    """serve-eval's scorer salts each request apart: the same context scored twice (two continuations, two calls)
+    maps its whole prefix every time and scores as Bridge; with one shared salt the second call would read the
+    blocks the target computed for the first, and the scorer refuses that."""
+    from kvbridge.serving.quality import EngineScorer
+
+    llm, config, bridge = engine
+    ids = prompts(bridge, (420,), offset=90)[0]
+    contexts, continuations = [ids[:400]], [ids[400:404], ids[404:410]]
+    scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
+    first = scorer.score_ids(contexts, continuations, per_context=2)
+    again = scorer.score_ids(contexts, continuations, per_context=2)
+    ref = bridge.score_ids(contexts, continuations, mode="mapped", per_context=2)
+    assert [s.logprob for s in first] == pytest.approx([s.logprob for s in again], abs=1e-4)
+    assert [s.logprob for s in first] == pytest.approx([s.logprob for s in ref], rel=1e-3, abs=1e-3)
+    monkeypatch.setattr(scorer, "salt", lambda: None)  # every request in the mapper's namespace alone
+    with pytest.raises(RuntimeError, match="from the prefix cache instead of mapping"):
+        for _ in range(2):
+            scorer.score_ids(contexts, continuations, per_context=2)

@@ -226,3 +226,45 @@ def test_the_engine_benchmark_reports_the_connector_and_the_ceiling(server):
     new = ("connector_ms", "ceiling_ttft_ms", "ceiling_speedup", "ceiling_cached_fraction")
     old = {"rows": [{k: v for k, v in row.items() if k not in new}]}
     assert "| – | – |" in engine_table(old)
+
+
+def test_the_load_benchmark_replays_a_trace_and_reads_the_engines_prefill_counters(server):
+    """A short open-loop trace, mapped and native, against the running server: the /metrics parser on a real scrape
+    (prompt tokens = computed + prefix-cache hits + loaded by the connector) and the per-way figures."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+    from transformers import AutoTokenizer
+
+    from kvbridge import family
+    from kvbridge.serving.bench import heldout_stream
+    from kvbridge.serving.load import PARAMS, poisson_trace, replay, scrape, settled, way_result
+
+    url = server[0]
+    tokenizer = AutoTokenizer.from_pretrained(family.target_path())
+    stream = heldout_stream(tokenizer)
+    trace = poisson_trace(4.0, 3, (300, 600), seed=3, stream_tokens=len(stream))
+
+    async def run(way):
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await replay(client, "kvbridge-family", trace, stream, tokenizer.bos_token_id, PARAMS[way],
+                                f"load-test-{way}-{time.time_ns()}", 4)
+        finally:
+            await client.close()
+
+    for way in ("mapped-async", "native"):  # (the server maps synchronously by default: asked here per request)
+        before = scrape(url)
+        rows = asyncio.run(run(way))
+        after = asyncio.run(settled(url, before, 3, counted=True))
+        result = way_result(way, 4.0, rows, 1.0, before, after, replicates=100)
+        c = result.counters
+        prompt = sum(a.length for a in trace)
+        assert c["requests"] == 3 and c["prompt_tokens"] == prompt and all(r["tokens"] == 4 for r in rows)
+        assert c["local_compute"] + c["local_cache_hit"] + c["external_kv_transfer"] == prompt
+        assert result.ttft_ms["p50"] > 0 and result.e2e_ms["p90"] >= result.ttft_ms["p90"]
+        if way == "mapped-async":  # the target computes the held-back tokens only
+            assert c["kvbridge_mapped"] == 3 and c["external_kv_transfer"] >= prompt - 3 * 8
+            assert result.computed_share < 0.05 and c["kvbridge_map_seconds"] > 0
+        else:
+            assert c["local_compute"] == prompt and c["external_kv_transfer"] == 0 and c["kvbridge_native"] == 3

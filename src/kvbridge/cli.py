@@ -454,6 +454,8 @@ def _parser() -> argparse.ArgumentParser:
                                  "connector (kvbridge serve --help)", add_help=False)
     sub.add_parser("serve-bench", help="time to first token through vLLM, native vs mapped, at several lengths and "
                                        "concurrencies (kvbridge serve-bench --help)", add_help=False)
+    sub.add_parser("load-bench", help="serving under load: one Poisson trace against plain vLLM and kvbridge "
+                                      "(kvbridge load-bench --help)", add_help=False)
     sub.add_parser("serve-eval", help="the family tasks' retention through vLLM next to Bridge's (kvbridge serve-eval "
                                       "--help)", add_help=False)
 
@@ -1048,7 +1050,7 @@ def _family_pair(args) -> None:
 
 
 # their parsers and handlers live in kvbridge.serving.commands
-SERVING = ("serve", "serve-source", "cascade", "serve-bench", "cascade-bench", "serve-eval")
+SERVING = ("serve", "serve-source", "cascade", "serve-bench", "cascade-bench", "serve-eval", "load-bench")
 LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
 
 

@@ -1,5 +1,5 @@
-"""The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``cascade-bench`` and
-``serve-eval`` (their parsers and what they run; :mod:`kvbridge.cli` hands them their arguments).
+"""The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``load-bench``,
+``cascade-bench`` and ``serve-eval`` (their parsers and what they run; :mod:`kvbridge.cli` hands them their arguments).
 
 Each parses its own options and passes the ones it does not know on: ``serve`` and ``serve-source`` to ``vllm
 serve``, the benchmarks to the servers they start.
@@ -118,6 +118,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-tokens", type=int, default=None,
                    help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
                         f"{d.min_tokens})")
+    r.add_argument("--async-load", action="store_true",
+                   help="map each request in a thread beside the engine's steps, the request waiting for its blocks, "
+                        "instead of inside the step, every running request waiting for it (default: inside, which "
+                        "measured better on a 2-core CPU: docs/serving.md; per request kv_transfer_params "
+                        "{\"kvbridge_load\": \"sync\" | \"async\"})")
     r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair, or a `kvbridge serve-bench --json` "
                                    "one of this server's settings (through the engine, one request at a time): "
                                    "auto's threshold is the shortest context whose mapped TTFT beat native")
@@ -141,6 +146,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--served-model-name", help="model name clients send (default: the target's hub id or folder "
                                                "name; kvbridge-family for the embedded family)")
+    s.add_argument("--plain", action="store_true",
+                   help="serve the target with vLLM alone — the engine settings kvbridge gives it, no connector, no "
+                        "middleware: the baseline of kvbridge load-bench")
     return p
 
 
@@ -151,10 +159,12 @@ def _cmd_serve(args) -> int:
     min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
                                           native_rest=args.native_rest, store_memory_bytes=store_memory_bytes(args),
+                                          sync_load=not args.async_load,
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
-    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args, args.prewarm)
+    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args, args.prewarm,
+                 args.plain)
 
 
 def _serve_eval_parser() -> argparse.ArgumentParser:
@@ -649,13 +659,137 @@ def _device() -> str:
             else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
 
 
+def _load_bench_parser() -> argparse.ArgumentParser:
+    from .load import WAYS
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge load-bench",
+        description="Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
+                    "serve` side by side (every option this command does not know goes to both), then replays one "
+                    "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
+                    "its own — against each way (plain vLLM; kvbridge native; mapped; mapped with synchronous "
+                    "loads), each way unloaded first (one request at a time), then at each rate, the ways' order "
+                    "alternating per rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output "
+                    "throughput, and the prompt tokens the target computed, from vLLM's /metrics.")
+    p.add_argument("--rates", default="1,3", help="request rates, per second (default: 1,3)")
+    p.add_argument("--requests", type=int, default=40, help="requests per rate and way (default: 40)")
+    p.add_argument("--unloaded", type=int, default=8,
+                   help="the trace's first requests sent one at a time per way: the unloaded figures (default: 8)")
+    p.add_argument("--lengths", default="256,2000", help="prompt lengths MIN,MAX in tokens, drawn uniformly "
+                                                         "(default: 256,2000)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"which ways, of {', '.join(WAYS)} (default: all)")
+    p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
+    p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log and "
+                                                                "PREFIX-kvbridge.log (default: %(default)s)")
+    return p
+
+
+def _cmd_load_bench(args) -> int:
+    import asyncio
+    import json
+    import os
+    import platform
+    import sys
+    from datetime import datetime, timezone
+
+    from transformers import AutoTokenizer
+
+    from .. import family
+    from ..outputs import write_text
+    from ..suite import _commit
+    from .bench import heldout_stream
+    from .load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
+    from .server import flag_value, given_flags, launched, resolve_model
+
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (0 < r < 1e6) for r in rates):
+        raise KVBridgeError(f"--rates must be comma-separated positive request rates, e.g. 1,3, not {args.rates!r}.")
+    lengths = counts(args.lengths, minimum=2, flag="--lengths")
+    if len(lengths) != 2 or lengths[0] > lengths[1]:
+        raise KVBridgeError(f"--lengths must be MIN,MAX with MIN <= MAX, e.g. 256,2000, not {args.lengths!r}.")
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if not ways or set(ways) - set(WAYS) or len(set(ways)) != len(ways):
+        raise KVBridgeError(f"--ways must be distinct names of {', '.join(WAYS)}, not {args.ways!r}.")
+    if args.requests < 2 or args.unloaded < 2 or args.new_tokens < 1:
+        raise KVBridgeError("--requests and --unloaded must be at least 2, --new-tokens at least 1.")
+    if args.json:
+        check_output_file(args.json, "--json")
+    require("openai", "serve", "kvbridge load-bench")
+    rest = list(args.serve_args)
+    if {"--port", "--served-model-name", "--plain"} & given_flags(rest):
+        raise KVBridgeError("kvbridge load-bench picks the servers' ports and names itself; drop --port, "
+                            "--served-model-name and --plain.")
+    target = flag_value(rest, "--target")
+    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    stream = heldout_stream(tokenizer)
+    traces = {rate: poisson_trace(rate, args.requests, (lengths[0], lengths[1]), args.seed, len(stream))
+              for rate in rates}
+    unloaded = traces[rates[0]][:args.unloaded]
+    servers = {"plain": ["--plain"]} if "plain" in ways else {}
+    if set(ways) - {"plain"}:
+        servers["kvbridge"] = []
+    say = lambda m: log(f"  {m}")  # noqa: E731
+    run_id = os.urandom(4).hex()
+    import openai
+
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, extra in servers.items():
+            argv = [*extra, *rest, "--served-model-name", f"load-{name}"]
+            log(f"starting kvbridge serve {' '.join(argv)} (log: {args.log}-{name}.log)")
+            urls[name] = stack.enter_context(launched(argv, f"{args.log}-{name}.log", timeout_s=900))
+        by_way = {w: urls["plain" if w == "plain" else "kvbridge"] for w in ways}
+        models = {w: f"load-{'plain' if w == 'plain' else 'kvbridge'}" for w in ways}
+        try:
+            results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
+                                           tokenizer.bos_token_id, args.new_tokens, run_id, say))
+        except openai.OpenAIError as exc:
+            raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "
+                                f"--max-model-len, and the logs {args.log}-*.log.") from None
+    import torch
+    import vllm
+
+    report = {"command": "kvbridge load-bench " + " ".join(args.argv), "argv": sys.argv, "commit": _commit(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                          "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                          "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
+                          "device": _device()},
+              "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
+              "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
+              "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
+              "results": to_dict(results)}
+    report["load"] = loaded_ratios(report)
+    table = load_table(report)
+    print(f"\n{report['machine']['device']}; {args.requests} requests per rate and way, prompts "
+          f"{lengths[0]}–{lengths[1]} tokens, {args.new_tokens} new tokens each; commit {report['commit']}\n")
+    print(table)
+    for line in report["load"]:
+        print(line)
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        header = (f"`{report['command']}` — commit {report['commit']}, {report['date']}, {report['machine']['device']}"
+                  f", vLLM {report['machine']['vllm']}\n\n")
+        write_text(str(Path(args.json).with_suffix(".md")),
+                   header + table + "\n\n" + "\n".join(f"- {x}" for x in report["load"]) + "\n")
+    return 0
+
+
 PASSTHROUGH = {"serve": "vllm_args", "serve-source": "vllm_args", "cascade": "vllm_args", "serve-bench": "serve_args",
-               "cascade-bench": "vllm_args"}
+               "cascade-bench": "vllm_args", "load-bench": "serve_args"}
 PARSERS = {"serve": _serve_parser, "serve-source": _serve_source_parser, "cascade": _cascade_parser,
            "serve-bench": _serve_bench_parser, "cascade-bench": _cascade_bench_parser,
-           "serve-eval": _serve_eval_parser}
+           "serve-eval": _serve_eval_parser, "load-bench": _load_bench_parser}
 COMMANDS = {"serve": _cmd_serve, "serve-source": _cmd_serve_source, "cascade": _cmd_cascade,
-            "serve-bench": _cmd_serve_bench, "cascade-bench": _cmd_cascade_bench, "serve-eval": _cmd_serve_eval}
+            "serve-bench": _cmd_serve_bench, "cascade-bench": _cmd_cascade_bench, "serve-eval": _cmd_serve_eval,
+            "load-bench": _cmd_load_bench}
 
 
 def parse(command: str, argv: list[str]) -> argparse.Namespace:

@@ -18,7 +18,9 @@ store's folder even when the connector holds them in memory (both for comparison
 at most ``native_rest`` prompt tokens before the hold-back (a conversation's new turn), the connector loads the
 stored prefix only and the engine computes those tokens itself, over it, as it computes the held-back ones: no
 source prefill at all (``"kvbridge_native_rest": n`` per request; 0: the source and the mapper cover them too, and
-the warm prefix equals the cold path's). ``"kvbridge_hold_back": n`` (optional) makes
+the warm prefix equals the cold path's). ``"kvbridge_load": "sync" | "async"`` (optional; default the server's
+``sync_load``) runs the request's map inside the engine's step, or beside it while the engine serves the other
+requests (the request waits, and joins once its blocks are written). ``"kvbridge_hold_back": n`` (optional) makes
 the engine compute the last ``n`` prompt tokens itself instead of the mapper's hold-back: a scoring request that
 asks for ``prompt_logprobs`` of a continuation holds the continuation back, so it is scored by the target over the
 mapped context.
@@ -44,6 +46,8 @@ HOLD_BACK = "kvbridge_hold_back"  # and its own hold-back, optionally
 USE_STORE = "kvbridge_store"  # and whether stored source K/V may be used (default: yes, when the server has a store)
 PREWARM = "kvbridge_prewarm"  # (to the source) load this conversation into the target's prefix cache ahead
 NATIVE_REST = "kvbridge_native_rest"  # and how many tokens after a stored prefix the engine computes itself
+LOAD = "kvbridge_load"  # and whether its map runs inside the engine's step ("sync") or beside it ("async")
+LOADS = ("sync", "async")
 CONNECTOR = "KVBridgeConnector"
 CONNECTOR_MODULE = "kvbridge.serving.connector"
 PRODUCER = "KVBridgeSourceConnector"
@@ -87,6 +91,11 @@ class ServeConfig(ExtraConfig):
     source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's);
     ``store_memory_bytes``: blocks the source engine maps ahead are loaded into the worker's memory as they are
     announced, up to this many bytes (:mod:`kvbridge.serving.hot`; 0: read from the folder when a request needs them).
+    ``sync_load`` (default): a mapped request's source prefill and map (or store read and map) run inside the
+    engine's step, every running request waiting for them; false: in a worker thread beside the steps (vLLM's
+    asynchronous KV load: the request waits in ``WAITING_FOR_REMOTE_KVS`` and joins once its blocks are written).
+    Synchronous is the default because it measured better on a 2-core CPU (``kvbridge load-bench``: the thread's map
+    competes with the engine's steps for the cores and the interpreter, and took 1.7× as long).
     """
 
     mapper: str
@@ -102,6 +111,7 @@ class ServeConfig(ExtraConfig):
     store_verify: bool = True
     native_rest: int = 256
     store_memory_bytes: int = 1 << 30
+    sync_load: bool = True
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -119,6 +129,8 @@ class ServeConfig(ExtraConfig):
                 self.store_memory_bytes < 0:
             raise InputError(f"kvbridge serving: store_memory_bytes must be an integer >= 0, not "
                              f"{self.store_memory_bytes!r}.")
+        if not isinstance(self.sync_load, bool):
+            raise InputError(f"kvbridge serving: sync_load must be true or false, not {self.sync_load!r}.")
         known = {"hold_back", "recompute", "recompute_by", "recompute_window", "sink"}
         if not isinstance(self.runtime, dict) or set(self.runtime) - known:
             raise InputError(f"kvbridge serving: runtime overrides must be a dict of {', '.join(sorted(known))}, "
@@ -266,6 +278,17 @@ def request_native_rest(params: Any, name: str = f"kv_transfer_params.{NATIVE_RE
         raise InputError(f"{name} must be an integer >= 0 (0: the source and the mapper cover every token after a "
                          f"stored prefix too), not {value!r}.")
     return value
+
+
+def request_load(params: Any, sync_default: bool) -> bool:
+    """Whether a request's map runs asynchronously (``kv_transfer_params.kvbridge_load``: ``"sync"`` or ``"async"``;
+    unset: the server's default, ``not sync_default``); InputError for anything else."""
+    value = params.get(LOAD) if isinstance(params, dict) else None
+    if value is None:
+        return not sync_default
+    if value not in LOADS:
+        raise InputError(f'kv_transfer_params.{LOAD} must be "sync" or "async", not {value!r}.')
+    return value == "async"
 
 
 def client_salt(salt: str | None, namespace_: str) -> str | None:

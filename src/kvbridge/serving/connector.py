@@ -13,6 +13,16 @@ positions vLLM uses) and writes the post-RoPE K/V through the attention backend'
 (``do_kv_cache_update`` with a slot mapping: the paged layout is the backend's business). The engine then
 computes the held-back tokens itself, over the mapped prefix, and decodes as usual, batched with everything else.
 
+Asynchronous loads (``sync_load: false`` in the settings, ``kvbridge serve --async-load``, or ``"kvbridge_load":
+"async"`` per request; synchronous is the default: it measured better on a 2-core CPU): the connector answers vLLM
+that the request's prefix loads asynchronously, the scheduler allocates its blocks and parks it in
+``WAITING_FOR_REMOTE_KVS``, and the worker runs the source prefill and the map (cold), or the store read and the map
+(warm), in a thread of its own (on a GPU, on a side CUDA stream) while the engine keeps stepping the other requests;
+once the blocks are written the worker reports the request in ``get_finished`` and it joins the batch. Synchronous
+loads run inside ``start_load_kv``, before the step's forward, every running request waiting for them. One map runs
+at a time either way. While the engine has nothing else to step, the worker waits for
+a load to finish (at most ``IDLE_WAIT_S``) rather than spin through empty steps.
+
 Transfer is an optimization, never a dependency: when mapping fails for a request (an exception, a non-finite
 cache) its blocks are reported as failed loads and vLLM (``kv_load_failure_policy="recompute"``) prefills them
 natively; the request is answered, the fallback counted, logged, and named in the response's
@@ -26,7 +36,9 @@ sets it), so mapped blocks are never a prefix-cache hit for a native request or 
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +61,13 @@ from .config import (
     in_namespace,
     mapper_namespace,
     request_hold_back,
+    request_load,
     request_mode,
     request_native_rest,
     request_use_store,
 )
 
+IDLE_WAIT_S = 0.01  # an empty engine step waits this long at most for an asynchronous load to finish
 logger = init_logger("vllm.kvbridge")  # under vLLM's own logger: its handlers and level
 STATUSES = ("mapped", "cached", "native", "short", "fallback")
 # counters beside them: name -> /metrics documentation
@@ -78,11 +92,13 @@ class Load:
     block_ids: list[int]
     salt: str | None = None  # the client's own cache_salt: the store's entries are keyed by it too
     use_store: bool | str = True  # True, False, "folder" or "source" (config.request_use_store)
+    asynchronous: bool = False  # mapped in the worker's thread, beside the engine's steps
 
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
+    idle: bool = False  # the step schedules no token: the worker may wait for an asynchronous load
 
 
 @dataclass
@@ -243,8 +259,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.namespace = mapper_namespace(self.config)
         # scheduler side
         self._status: dict[str, str] = {}  # request id -> its outcome so far (once the engine allocated it)
-        # request id -> (outcome, tokens to load, end of the mapped prefix): asked, not yet allocated
-        self._decided: dict[str, tuple[str, int, int]] = {}
+        # request id -> (outcome, tokens to load, end of the mapped prefix, asynchronous): asked, not yet allocated
+        self._decided: dict[str, tuple[str, int, int, bool]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._map_ms: dict[str, tuple[float, float]] = {}  # request id -> (map ms, of them cache writes)
         # request id -> prefix tokens from the store, mapped ahead, of them read from memory
@@ -258,6 +274,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._heads = slice(None)  # this worker's KV heads of the target (its tensor-parallel share)
         self._failed_blocks: set[int] = set()
         self._outcomes: dict[str, tuple[str, float, int, str | None, int, int, float]] = {}
+        self._map_lock = threading.Lock()  # one map at a time: the engine's thread's (sync) or the loader's (async)
+        self._loader: ThreadPoolExecutor | None = None  # the asynchronous loads' thread, once one is asked for
+        self._pending: dict[str, tuple[Load, Future]] = {}  # request id -> its asynchronous load
         self._store = None  # the source engine's KV store, once it exists
         self._hot = None  # its blocks mapped ahead by this map, in memory (kvbridge.serving.hot)
         self._clock = None  # when the engine's steps run (the prefetch waits for a quiet spell)
@@ -432,6 +451,34 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVBridgeMetadata) or not meta.loads:
             return
         for load in meta.loads:
+            if not load.asynchronous:
+                self._record(load, self._load(forward_context, load))
+                continue
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-load")
+            ready = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # the side stream starts after what the
+                ready = torch.cuda.Event()  # engine's stream has queued (its blocks' zeroing, say)
+                ready.record()
+            self._pending[load.request_id] = (load, self._loader.submit(self._load_beside, forward_context, load,
+                                                                        ready))
+
+    def _load_beside(self, forward_context, load: Load, ready) -> tuple[str, float, int, str | None, int, int, float]:
+        """An asynchronous load, in the loader's thread: on a GPU on a side stream, finished before it returns."""
+        if ready is None:
+            return self._load(forward_context, load)
+        stream = torch.cuda.Stream()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            outcome = self._load(forward_context, load)
+        stream.synchronize()  # the blocks are written before the request is reported finished
+        return outcome
+
+    def _load(self, forward_context, load: Load) -> tuple[str, float, int, str | None, int, int, float]:
+        """Map one request's prefix and write it into its blocks: ``(outcome, ms, stored, refused, premapped, hot,
+        write ms)``, outcome ``"mapped"`` or ``"fallback: <reason>"`` (never raises: any failure is a native
+        prefill)."""
+        with self._map_lock:
             started = time.perf_counter()
             stored, refused, premapped, hot, write_ms = 0, None, 0, 0, 0.0
             try:
@@ -439,14 +486,42 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                self._failed_blocks.update(load.block_ids[load.start // self.block_size:])
-                logger.warning("kvbridge connector: request %s falls back to a native prefill (%s)",
-                               load.request_id, status[len("fallback: "):])
-            if refused:
-                logger.warning("kvbridge connector: request %s: a store entry was refused (%s); what it held was "
-                               "computed instead", load.request_id, refused)
-            self._outcomes[load.request_id] = (status, 1000 * (time.perf_counter() - started), stored, refused,
-                                               premapped, hot, write_ms)
+            return status, 1000 * (time.perf_counter() - started), stored, refused, premapped, hot, write_ms
+
+    def _record(self, load: Load, outcome: tuple[str, float, int, str | None, int, int, float]) -> None:
+        """A finished load's outcome, for the scheduler; a failed one's blocks reported as failed loads (vLLM
+        recomputes them)."""
+        status, refused = outcome[0], outcome[3]
+        if status != "mapped":
+            self._failed_blocks.update(load.block_ids[load.start // self.block_size:])
+            logger.warning("kvbridge connector: request %s falls back to a native prefill (%s)", load.request_id,
+                           status[len("fallback: "):])
+        if refused:
+            logger.warning("kvbridge connector: request %s: a store entry was refused (%s); what it held was "
+                           "computed instead", load.request_id, refused)
+        self._outcomes[load.request_id] = outcome
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The asynchronous loads finished since the last step (their failed blocks reported in the same step, as
+        vLLM asks). In a step that schedules nothing, wait a little for one rather than spin."""
+        if not self._pending:
+            return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        futures = [f for _, f in self._pending.values()]
+        if isinstance(meta, KVBridgeMetadata) and meta.idle and not any(f.done() for f in futures):
+            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        done = set()
+        for rid, (load, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[rid]
+            try:
+                outcome = future.result()
+            except BaseException as exc:  # (_load catches every Exception: a thread's own failure, say)
+                outcome = (f"fallback: {type(exc).__name__}: {exc}", 0.0, 0, None, 0, 0, 0.0)
+            self._record(load, outcome)
+            done.add(rid)
+        return None, done or None
 
     def _write(self, forward_context, load: Load) -> tuple[int, str | None, int, int, float]:
         layers = self._attention_layers(forward_context)
@@ -471,23 +546,25 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return stored, refused, premapped, hot, 1000 * (time.perf_counter() - started)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        if self._clock is not None:
+        if self._clock is not None and not getattr(connector_metadata, "idle", False):  # (an empty step: quiet)
             self._clock.begin()
         super().bind_connector_metadata(connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: done in start_load_kv
+        return  # synchronous loads are done in start_load_kv; asynchronous ones before their request is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # a consumer: nothing is saved
 
     def wait_for_save(self):
-        if self._clock is not None:  # the step's forward is done
+        if self._clock is not None and not getattr(self._connector_metadata, "idle", False):  # the forward is done
             self._clock.end()
 
     def shutdown(self):
         if self._hot is not None:
             self._hot.stop()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
         super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -504,6 +581,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def decide(self, request, num_computed_tokens: int) -> tuple[str, int]:
         """``(outcome, tokens to load)`` for a request the engine is about to schedule."""
         try:
+            request_load(request.kv_transfer_params, self.config.sync_load)
             mode = request_mode(request.kv_transfer_params, self.config.mode)
             hold_back = request_hold_back(request.kv_transfer_params) or self.hold_back
             use_store = request_use_store(request.kv_transfer_params)
@@ -568,14 +646,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         status, tokens = self.decide(request, num_computed_tokens)
         if status.startswith("fallback"):
             logger.info("kvbridge connector: request %s is prefilled natively (%s)", rid, status[len("fallback: "):])
-        self._decided[rid] = (status, tokens, num_computed_tokens + tokens)
-        return tokens, False
+        asynchronous = bool(tokens) and request_load(request.kv_transfer_params, self.config.sync_load)
+        self._decided[rid] = (status, tokens, num_computed_tokens + tokens, asynchronous)
+        return tokens, asynchronous
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         rid = request.request_id
         if rid not in self._decided:
             return
-        status, tokens, end = self._decided.pop(rid)
+        status, tokens, end, asynchronous = self._decided.pop(rid)
         self._counted.pop(rid, None)
         if num_external_tokens < tokens:  # the engine took less than was claimed: never say mapped
             status = "fallback: the engine did not load the mapped prefix"
@@ -583,10 +662,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if num_external_tokens:
             self._planned[rid] = Load(rid, list(request.prompt_token_ids[:end]), end - num_external_tokens, end,
                                       list(blocks.get_block_ids()[0]), client_salt(request.cache_salt, self.namespace),
-                                      request_use_store(request.kv_transfer_params))
+                                      request_use_store(request.kv_transfer_params), asynchronous)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = KVBridgeMetadata(list(self._planned.values()))
+        meta = KVBridgeMetadata(list(self._planned.values()),
+                                idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         self._planned = {}
         return meta
 

@@ -19,11 +19,13 @@ import os
 from ..errors import InputError
 from .config import (
     HOLD_BACK,
+    LOAD,
     NAMESPACE_PREFIX,
     NATIVE_REST,
     PARAM,
     USE_STORE,
     request_hold_back,
+    request_load,
     request_mode,
     request_native_rest,
     request_use_store,
@@ -54,15 +56,16 @@ def check_body(data) -> None:
         raise InputError(f"the request's {deep[0]} nests more than {MAX_DEPTH} levels deep; kvbridge serve refuses it.")
     params = data.get("kv_transfer_params")
     if isinstance(params, dict):
-        unknown = sorted(set(params) - {PARAM, HOLD_BACK, USE_STORE, NATIVE_REST})
+        unknown = sorted(set(params) - {PARAM, HOLD_BACK, USE_STORE, NATIVE_REST, LOAD})
         if unknown:
             raise InputError(f"kv_transfer_params has unknown keys {', '.join(map(repr, unknown[:5]))}; this server "
-                             f"takes {PARAM!r} (mapped, native or auto), {HOLD_BACK!r}, {USE_STORE!r} and "
-                             f"{NATIVE_REST!r}.")
+                             f"takes {PARAM!r} (mapped, native or auto), {HOLD_BACK!r}, {USE_STORE!r}, "
+                             f"{NATIVE_REST!r} and {LOAD!r}.")
     request_mode(params, "native")
     request_hold_back(params)
     request_use_store(params)
     request_native_rest(params)
+    request_load(params, False)
     salt = data.get("cache_salt")
     if isinstance(salt, str) and salt.startswith(NAMESPACE_PREFIX):
         raise InputError(f"cache_salt may not start with {NAMESPACE_PREFIX!r}: that namespace holds mapped K/V, and "

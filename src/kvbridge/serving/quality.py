@@ -5,11 +5,18 @@ is the context and the continuation, the connector maps all of it but the last `
 tokens (``kvbridge_hold_back``), and vLLM's ``prompt_logprobs`` give the target's log-probability and rank of each
 continuation token over the mapped context. Native, source and floors come from Bridge on the same rows (one
 reference run), so the engine's column differs from Bridge's mapped column only by the engine.
+
+Each scoring request is isolated: a cache_salt of its own (in the mapper's namespace), so no block of it is ever a
+prefix-cache hit — neither one the target computed for another request (the held-back continuation of an earlier
+document with the same context, say) nor one mapped for another — and the connector must report its whole prefix
+mapped, or the score is refused.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
 
 from ..scoring import Score, check_per_context
@@ -21,6 +28,12 @@ class EngineScorer:
 
     def __init__(self, llm, config: ServeConfig, tokenizer, hold_back: int, batch: int = 64):
         self.llm, self.config, self.tokenizer, self.hold_back, self.batch = llm, config, tokenizer, hold_back, batch
+        self._run = os.urandom(6).hex()  # this scorer's requests' salts: apart from any other scorer's
+        self._count = itertools.count()
+
+    def salt(self) -> str:
+        """A scoring request's own cache_salt (its blocks never shared with another request's)."""
+        return f"score-{self._run}-{next(self._count)}"
 
     def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: str = "mapped",
                   per_context: int = 1) -> list[Score]:
@@ -34,7 +47,7 @@ class EngineScorer:
         for i in range(0, len(contexts), self.batch):
             items, params = [], []
             for ctx, cont in zip(contexts[i:i + self.batch], continuations[i:i + self.batch]):
-                item, extra = mapped_request(list(ctx) + list(cont), self.config, mode)
+                item, extra = mapped_request(list(ctx) + list(cont), self.config, mode, cache_salt=self.salt())
                 extra["kv_transfer_params"][HOLD_BACK] = self.hold_back + len(cont)
                 items.append(item)
                 # prompt_logprobs would make vLLM skip the prefix cache, and with it the connector's load; vLLM
@@ -42,8 +55,14 @@ class EngineScorer:
                 params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, extra_args=extra,
                                              skip_reading_prefix_cache=mode == "native", detokenize=False))
             for o, ctx, cont in zip(self.llm.generate(items, params, use_tqdm=False), contexts[i:], continuations[i:]):
-                if mode != "native" and (o.kv_transfer_params or {}).get(PARAM) != "mapped":
-                    raise RuntimeError(f"the engine did not map a scoring request: {o.kv_transfer_params}")
+                if mode != "native":
+                    params = o.kv_transfer_params or {}
+                    if params.get(PARAM) != "mapped":
+                        raise RuntimeError(f"the engine did not map a scoring request: {params}")
+                    mapped = params.get("kvbridge_mapped_tokens", 0)
+                    if mapped != len(ctx) - self.hold_back:
+                        raise RuntimeError(f"a scoring request read {len(ctx) - self.hold_back - mapped} prefix tokens "
+                                           "from the prefix cache instead of mapping them")
                 entries = o.prompt_logprobs[len(ctx):len(ctx) + len(cont)]
                 logprob = sum(e[t].logprob for e, t in zip(entries, cont))
                 correct = sum(int(e[t].rank == 1) for e, t in zip(entries, cont))

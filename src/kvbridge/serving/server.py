@@ -112,15 +112,18 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passthrough: list[str]) -> list[str]:
-    """``vllm serve`` arguments for the target with the connector, the llama-4 override and the middleware."""
+def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passthrough: list[str],
+              plain: bool = False) -> list[str]:
+    """``vllm serve`` arguments for the target with the connector, the llama-4 override and the middleware;
+    ``plain``: the same engine without the connector and the middleware (vLLM alone: a baseline)."""
     kwargs = engine_kwargs(config)
     given = given_flags(passthrough)
     if "--kv-transfer-config" in given:
         raise InputError("kvbridge serve sets vLLM's --kv-transfer-config itself (the kvbridge connector); drop it, "
                          "and set the connector with kvbridge serve's own options.")
-    argv = ["serve", config.target, "--host", host, "--port", str(port),
-            "--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"]), "--middleware", MIDDLEWARE]
+    argv = ["serve", config.target, "--host", host, "--port", str(port)]
+    if not plain:
+        argv += ["--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"]), "--middleware", MIDDLEWARE]
     if "hf_overrides" in kwargs and "--hf-overrides" not in given:
         argv += ["--hf-overrides", json.dumps(kwargs["hf_overrides"])]
     if "--served-model-name" not in given:
@@ -261,9 +264,10 @@ def source_parallel(config: StoreConfig | None, argv: list[str]) -> tuple[int, i
 
 
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
-          passthrough: list[str] | None = None, prewarm: bool = True) -> int:
+          passthrough: list[str] | None = None, prewarm: bool = True, plain: bool = False) -> int:
     """Check the pair, then run vLLM's server until it is stopped. ``prewarm``: with a store, load the conversations
-    a source engine announces into the prefix cache ahead (:mod:`kvbridge.serving.prewarm`)."""
+    a source engine announces into the prefix cache ahead (:mod:`kvbridge.serving.prewarm`). ``plain``: the target
+    in vLLM alone, with the engine settings kvbridge would give it (the load benchmark's baseline)."""
     tensor = target_parallel(list(passthrough or []))
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401  (vLLM's own `serve` subcommand)
@@ -274,7 +278,12 @@ def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: 
     os.environ[ENV] = json.dumps({"mode": config.mode, "namespace": mapper_namespace(config)})
     if config.device == "cpu":
         cpu_defaults(tensor)
-    argv = vllm_argv(config, served_name, host, port, list(passthrough or []))
+    argv = vllm_argv(config, served_name, host, port, list(passthrough or []), plain)
+    if plain:
+        print(f"kvbridge serve --plain: {config.target} as {served_name!r} on http://{host}:{port}/v1 — vLLM alone "
+              "(no kvbridge connector, no middleware)", file=sys.stderr, flush=True)
+        run_vllm(argv)
+        return 0
     print(f"kvbridge serve: {config.target} as {served_name!r} on http://{host}:{port}/v1 — default mode "
           f"{config.mode} (auto maps prompts of >= {config.min_tokens} tokens), mapper {config.mapper}, hold-back "
           f"{runtime['hold_back']}, recompute {runtime['recompute']:.0%}", file=sys.stderr, flush=True)

@@ -1,0 +1,146 @@
+"""The load benchmark's pure parts (no engine): the seeded Poisson trace, percentiles and their intervals, the
+/metrics parser on a vLLM-style exposition, the table; and the connector's load option."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.serving.load import (
+    Arrival,
+    counter,
+    engine_counters,
+    load_table,
+    loaded_ratios,
+    parse_metrics,
+    percentile,
+    poisson_trace,
+    prompt_ids,
+    summary,
+    way_result,
+)
+
+
+def test_the_trace_is_seeded_poisson_with_lengths_in_bounds():
+    a = poisson_trace(3.0, 4000, (256, 2000), seed=7, stream_tokens=50_000)
+    assert a == poisson_trace(3.0, 4000, (256, 2000), seed=7, stream_tokens=50_000)  # same seed, same trace
+    assert a != poisson_trace(3.0, 4000, (256, 2000), seed=8, stream_tokens=50_000)
+    gaps = [a[0].at_s] + [y.at_s - x.at_s for x, y in zip(a, a[1:])]
+    assert all(g > 0 for g in gaps) and [x.index for x in a] == list(range(4000))
+    assert statistics.mean(gaps) == pytest.approx(1 / 3, rel=0.06)  # exponential gaps of mean 1/rate
+    assert statistics.stdev(gaps) == pytest.approx(1 / 3, rel=0.08)  # (an exponential's sd equals its mean)
+    lengths = [x.length for x in a]
+    assert min(lengths) >= 256 and max(lengths) <= 2000 and statistics.mean(lengths) == pytest.approx(1128, rel=0.03)
+    assert all(0 <= x.start and x.start + x.length <= 50_000 for x in a)
+    assert len({x.start for x in a}) > 3700  # (mostly windows of their own; each request is salted apart anyway)
+    slow = poisson_trace(1.0, 4000, (256, 2000), seed=7, stream_tokens=50_000)
+    assert slow[-1].at_s == pytest.approx(3 * a[-1].at_s, rel=1e-9)  # one seed: the same gaps, scaled by the rate
+
+
+@pytest.mark.parametrize("rate, count, lengths, stream", [(0, 5, (2, 3), 100), (-1, 5, (2, 3), 100),
+                                                          (math.inf, 5, (2, 3), 100), (1, 0, (2, 3), 100),
+                                                          (1, 5, (1, 3), 100), (1, 5, (9, 3), 100),
+                                                          (1, 5, (2, 300), 100)])
+def test_bad_trace_arguments_are_refused(rate, count, lengths, stream):
+    with pytest.raises(KVBridgeError):
+        poisson_trace(rate, count, lengths, 0, stream)
+
+
+def test_percentiles_interpolate_as_numpy_and_intervals_hold_them():
+    np = pytest.importorskip("numpy")
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 100.0]
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([4.0], 90) == 4.0
+    with pytest.raises(KVBridgeError):
+        percentile([], 50)
+    with pytest.raises(KVBridgeError):
+        percentile(xs, 101)
+    values = [float(v) for v in range(1, 101)]
+    s = summary(values, replicates=500)
+    assert s["n"] == 100 and s["p50"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1)
+    for q in (50, 90, 99):
+        lo, hi = s[f"p{q}_interval"]
+        assert lo <= s[f"p{q}"] <= hi and hi - lo < 25
+    assert s == summary(values, replicates=500)  # seeded
+
+
+SCRAPE = """# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1200.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 202.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 128.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 870.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 64.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0
+vllm:kvbridge_requests_total{engine="0",model_name="m",outcome="mapped"} 2.0
+vllm:kvbridge_requests_total{engine="0",model_name="m",outcome="fallback"} 1.0
+vllm:kvbridge_map_seconds_total{engine="0",model_name="m"} 0.75
+vllm:kvbridge_map_seconds_created{engine="0",model_name="m"} 1.7e+09
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 3.0
+"""
+
+
+def test_the_metrics_parser_reads_vllms_counters():
+    samples = parse_metrics(SCRAPE + "garbage line\nvllm:x{a=\"1\"} notanumber\n")
+    assert counter(samples, "vllm:prompt_tokens") == 1200 == counter(samples, "vllm:prompt_tokens_total")
+    assert counter(samples, "vllm:request_success") == 4
+    assert counter(samples, "vllm:request_success", finished_reason="stop") == 1
+    assert counter(samples, "vllm:absent") == 0
+    c = engine_counters(SCRAPE)
+    assert c["prompt_tokens"] == c["local_compute"] + c["local_cache_hit"] + c["external_kv_transfer"]
+    assert (c["local_compute"], c["kvbridge_mapped"], c["kvbridge_fallback"]) == (202, 2, 1)
+    assert c["kvbridge_map_seconds"] == 0.75 and c["requests"] == 4 and c["generation_tokens"] == 64
+
+
+def test_a_ways_result_and_the_table():
+    rows = [{"ttft_ms": 100.0 + i, "e2e_ms": 300.0 + i, "tokens": 8, "late_ms": 0.5} for i in range(10)]
+    before = engine_counters(SCRAPE)
+    after = dict(before, prompt_tokens=before["prompt_tokens"] + 5000, local_compute=before["local_compute"] + 50,
+                 external_kv_transfer=before["external_kv_transfer"] + 4950, kvbridge_mapped=12.0)
+    r = way_result("mapped-sync", 2.0, rows, 4.0, before, after, replicates=200)
+    assert r.output_tokens_per_s == 20.0 and r.computed_share == pytest.approx(0.01) and r.requests == 10
+    assert r.counters["kvbridge_mapped"] == 10 and r.late_ms_max == 0.5
+    base = way_result("plain", None, [dict(x, ttft_ms=50.0) for x in rows], 4.0, before, before, replicates=200)
+    assert math.isnan(base.computed_share)  # (no counter moved)
+    from dataclasses import asdict
+
+    report = {"rates": [2.0], "results": [asdict(base), asdict(dict_way("plain", r))]}
+    table = load_table({"results": [asdict(r)]})
+    assert "| 2 | mapped-sync | 10 |" in table and "10 / 0" in table and "1.0 %" in table
+    assert loaded_ratios(report)[0].startswith("at 2 req/s plain vLLM's p90 TTFT is 2.")
+
+
+def dict_way(way, r):
+    from dataclasses import replace
+
+    return replace(r, way=way)
+
+
+def test_prompts_start_with_bos_and_have_the_arrivals_length():
+    stream = list(range(1000, 3000))
+    a = Arrival(0, 0.1, 300, 17)
+    ids = prompt_ids(a, stream, 1)
+    assert len(ids) == 300 and ids[0] == 1 and ids[1] == 1017
+    assert prompt_ids(a, stream, None) == stream[17:317]
+
+
+def test_the_load_option_per_server_and_per_request():
+    from kvbridge.serving.config import ServeConfig, request_load
+    from kvbridge.serving.middleware import check_body
+
+    assert ServeConfig(mapper="m", source="s", target="t").sync_load is True  # synchronous by default (measured)
+    with pytest.raises(InputError, match="sync_load must be true or false"):
+        ServeConfig(mapper="m", source="s", target="t", sync_load="yes")
+    assert not ServeConfig.from_extra({"mapper": "m", "source": "s", "target": "t", "sync_load": False}).sync_load
+    assert request_load(None, False) and not request_load(None, True)
+    assert request_load({"kvbridge_load": "async"}, True) and not request_load({"kvbridge_load": "sync"}, False)
+    with pytest.raises(InputError, match='must be "sync" or "async"'):
+        request_load({"kvbridge_load": 1}, False)
+    check_body({"kv_transfer_params": {"kvbridge": "mapped", "kvbridge_load": "sync"}})
+    with pytest.raises(InputError, match="kvbridge_load"):
+        check_body({"kv_transfer_params": {"kvbridge": "mapped", "kvbridge_load": "later"}})
