@@ -87,6 +87,10 @@ class ServeConfig(ExtraConfig):
     source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's);
     ``store_memory_bytes``: blocks the source engine maps ahead are loaded into the worker's memory as they are
     announced, up to this many bytes (:mod:`kvbridge.serving.hot`; 0: read from the folder when a request needs them).
+    ``lmcache``: instead of ``store``, the URL (``tcp://host:port``) of the LMCache server a source engine stores its
+    K/V in through vLLM's ``LMCacheMPConnector`` (:mod:`kvbridge.serving.lmcache_store`; whole LMCache chunks, no
+    map-ahead); ``lmcache_model``: the model name that engine was given (LMCache keys by it; default: ``source``,
+    as ``kvbridge serve-source`` gives it); ``lmcache_timeout_s``: the longest wait for one LMCache round trip.
     """
 
     mapper: str
@@ -102,6 +106,9 @@ class ServeConfig(ExtraConfig):
     store_verify: bool = True
     native_rest: int = 256
     store_memory_bytes: int = 1 << 30
+    lmcache: str | None = None
+    lmcache_model: str | None = None
+    lmcache_timeout_s: float = 2.0
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -114,6 +121,20 @@ class ServeConfig(ExtraConfig):
             raise InputError(f"kvbridge serving: min_tokens must be an integer >= 2, not {self.min_tokens!r}.")
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
+        if self.lmcache is not None:
+            from .lmcache_store import parse_url
+
+            parse_url(self.lmcache)
+            if self.store is not None:
+                raise InputError("kvbridge serving: the source's stored K/V are read from one place: a store folder "
+                                 "or an LMCache server, not both.")
+        if self.lmcache_model is not None and (not isinstance(self.lmcache_model, str) or not self.lmcache_model):
+            raise InputError(f"kvbridge serving: lmcache_model must be the source engine's model name, not "
+                             f"{self.lmcache_model!r}.")
+        if not isinstance(self.lmcache_timeout_s, (int, float)) or isinstance(self.lmcache_timeout_s, bool) or \
+                not 0 < self.lmcache_timeout_s <= 600:
+            raise InputError(f"kvbridge serving: lmcache_timeout_s must be in (0, 600] seconds, not "
+                             f"{self.lmcache_timeout_s!r}.")
         request_native_rest({NATIVE_REST: self.native_rest}, "native_rest")
         if not isinstance(self.store_memory_bytes, int) or isinstance(self.store_memory_bytes, bool) or \
                 self.store_memory_bytes < 0:
