@@ -311,6 +311,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
             logger.info("kvbridge connector: the source engine's K/V stored in LMCache at %s (model %r) are mapped "
                         "without a source prefill (warm transfer; %s pages, lookups and retrieves within %g s)",
                         self._lmcache.url, self._lmcache.model_name, self._lmcache.layout, self._lmcache.timeout_s)
+            if bridge.needs_source_state:
+                logger.warning("kvbridge connector: this map reads the source's hidden states (a state lever, or a "
+                               "recompute ranked by the source's %s), which LMCache does not keep: every prefix is "
+                               "mapped from a fresh source prefill (the cold path); serve a mapper without them, or "
+                               "--recompute 0", bridge.recompute_by)
         if self.config.store:
             from ..models import source_hidden_size
             from .store import identity

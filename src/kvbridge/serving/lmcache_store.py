@@ -34,6 +34,8 @@ import torch
 from ..errors import InputError, UnsupportedModelError
 from .store import Found
 
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # (LMCache reports usage unless told not to)
+
 DEFAULT_TIMEOUT_S = 2.0  # each LMCache round trip (connect, lookup, retrieve) waits at most this long
 RETRY_S = 10.0  # after a failure to reach the server, the reader answers "unreachable" this long before retrying
 MAX_ABS = 65504.0  # beyond float16's range: no model's K/V, a corrupted or hostile entry
@@ -318,7 +320,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def server_command(host: str, port: int, l1_gb: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                    l2: str | None = None, http_port: int | None = None) -> list[str]:
-    """The ``lmcache server`` command kvbridge runs (``l2``: an ``--l2-adapter`` JSON: a disk or Redis tier;
+    """The ``lmcache server`` command kvbridge runs: pages move over its TCP socket (LMCache's default, no shared
+    memory: engines on other machines read it too) (``l2``: an ``--l2-adapter`` JSON: a disk or Redis tier;
     ``http_port``: its HTTP status and metrics port, a free one by default: LMCache's own default, 8080, is often
     taken)."""
     exe = shutil.which("lmcache")
@@ -327,7 +330,7 @@ def server_command(host: str, port: int, l1_gb: float = 1.0, chunk_size: int = D
                          "brings lmcache==0.5.6).")
     command = [exe, "server", "--host", host, "--port", str(port), "--l1-size-gb", f"{l1_gb:g}",
                "--eviction-policy", "LRU", "--chunk-size", str(chunk_size), "--supported-transfer-mode", "auto",
-               "--shm-name", f"kvbridge-lmcache-{port}", "--http-host", host,
+               "--http-host", host,
                "--http-port", str(http_port or free_port(host))]
     return command + (["--l2-adapter", l2] if l2 else [])
 
