@@ -367,9 +367,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         from ..models import _text_config
 
         text = _text_config(self.config.source)[0]
-        heads = text.get("num_key_value_heads") or text["num_attention_heads"]
-        return (text["num_hidden_layers"], heads,
-                text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return (text.num_hidden_layers, heads,
+                getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     def store(self):
         """The source engine's KV store, None until that engine has created it (or without one)."""
