@@ -142,6 +142,11 @@ class LMCacheSource:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= 600:
             raise InputError(f"kvbridge: the LMCache timeout must be in (0, 600] seconds, not {timeout_s!r}.")
         check_layout(layout)
+        import importlib.util
+
+        if importlib.util.find_spec("lmcache") is None:
+            raise InputError("kvbridge: reading the source's K/V from LMCache needs the lmcache package (pip install "
+                             "lmcache==0.5.6, or kvbridge[serve]).")
         self.model_name, self.block_size, self.geometry, self.layout = model_name, block_size, geometry, layout
         self.timeout_s, self.max_tokens, self.logger, self.reads = float(timeout_s), max_tokens, logger, reads
         self._lock = threading.Lock()
