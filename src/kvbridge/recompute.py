@@ -399,14 +399,15 @@ def recompute_columns(model, cache, ids: torch.Tensor, mask: torch.Tensor, posit
 @dataclass
 class Stored:
     """The source's own K/V of a prompt's first ``tokens`` tokens (per layer (1, H, tokens, D), keys with RoPE) and
-    its final hidden states there (1, tokens, S): what an engine that served the source kept (warm transfer).
+    its final hidden states there (1, tokens, S; None where the engine kept K/V only — LMCache — and the map reads no
+    state): what an engine that served the source kept (warm transfer).
     ``mapped``: the target's post-RoPE keys and values of the first M ≤ ``tokens`` of them, mapped ahead by that
     engine (per target layer (1, Ht, M, Dt)); the map then runs over the tokens after them only."""
 
     tokens: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     mapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
 

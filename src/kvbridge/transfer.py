@@ -253,6 +253,14 @@ class Bridge(PromptBatches):
         return self.recompute > 0 or self.sink
 
     @property
+    def needs_source_state(self) -> bool:
+        """Whether building the cache reads the source's final hidden states (a lever that reads them, or a
+        recompute criterion scored from them): stored source K/V without them (LMCache's) cannot serve it."""
+        from .recompute import reads_source_state
+
+        return self.mapper.config.reads_state or (self.selects_tokens and reads_source_state(self.recompute_by))
+
+    @property
     def runs_target(self) -> bool:
         """Whether building the cache runs the target's weights (chosen tokens recomputed, or its first layers)."""
         return self.selects_tokens or self.native_layers > 0
@@ -280,10 +288,12 @@ class Bridge(PromptBatches):
         param = next(model.parameters())
         keys, values = ([t.to(param.device, param.dtype) for t in kv] for kv in (stored.keys, stored.values))
         if len(keys) != self.mapper.config.source.num_layers or any(k.shape[2] != n for k in keys + values) or \
-                stored.hidden.shape[:2] != (1, n):
+                (stored.hidden is not None and stored.hidden.shape[:2] != (1, n)):
             raise InputError("the stored source K/V do not match the source model's layers or the stored length.")
+        if stored.hidden is None and state:
+            raise InputError("the stored source K/V come without the source's hidden states, which this map reads.")
         cache = make_cache(model, keys[:depth], values[:depth])
-        hidden = stored.hidden.to(param.device, param.dtype)
+        hidden = stored.hidden.to(param.device, param.dtype) if stored.hidden is not None else None
         if n < ids.shape[1]:  # the source computes the rest over its own stored K/V
             cache, rest = prefill(model, ids[:, n:], mask, positions[:, n:], "hidden" if state else "none", cache,
                                   depth)

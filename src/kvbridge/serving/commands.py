@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from pathlib import Path
 
 from ..console import EPILOG, check_results, counts, log, require
@@ -92,6 +93,60 @@ def add_prewarm(p) -> None:
                         "{\"kvbridge_prewarm\": true}; each costs the target one short request)")
 
 
+def add_lmcache(p, owner: bool) -> None:
+    """``--lmcache`` (and, where the command can start a server of its own, its tiers)."""
+    g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of a "
+                             "store folder)")
+    if owner:
+        g.add_argument("--lmcache", metavar="URL|auto",
+                       help="the source engine stores its K/V through vLLM's LMCacheMPConnector in the LMCache server "
+                            "at tcp://HOST:PORT, or in one this command starts and stops (auto); the store folder, "
+                            "map-ahead and prewarm are then not used")
+        g.add_argument("--lmcache-l1-gb", type=float, default=1.0,
+                       help="with --lmcache auto: the server's memory tier in GiB (allocated up front; default: 1)")
+        g.add_argument("--lmcache-l2", metavar="JSON",
+                       help="with --lmcache auto: a second tier, LMCache's --l2-adapter: a disk "
+                            "'{\"type\":\"fs\",\"base_path\":DIR}' or Redis "
+                            "'{\"type\":\"resp\",\"host\":H,\"port\":P}'")
+    else:
+        g.add_argument("--lmcache", metavar="URL",
+                       help="instead of --store: the LMCache server (tcp://HOST:PORT) a source engine stores its K/V "
+                            "in (`kvbridge serve-source --lmcache`, or any vLLM engine with LMCacheMPConnector and "
+                            "the source's llama-4 override): the whole chunks of a prompt found there are mapped "
+                            "without a source prefill")
+        g.add_argument("--lmcache-model", metavar="NAME",
+                       help="the model name that source engine was given (LMCache keys by it; default: the source's "
+                            "folder, as kvbridge serve-source gives it)")
+
+
+@contextlib.contextmanager
+def lmcache_server(args, log_dir: str | Path | None = None):
+    """The LMCache URL ``--lmcache`` names (None without it); with ``auto``, a server started here (its log in
+    ``log_dir``) and stopped, by its own process id, when the block ends."""
+    from .lmcache_store import normal_url, start_server
+
+    if not getattr(args, "lmcache", None):
+        yield None
+        return
+    if args.lmcache != "auto":
+        yield normal_url(args.lmcache)
+        return
+    if not 0 < args.lmcache_l1_gb <= 1 << 20:
+        raise KVBridgeError(f"--lmcache-l1-gb must be a positive number of GiB, not {args.lmcache_l1_gb}.")
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(log_dir) / "lmcache.log" if log_dir else os.devnull, "w") as out:
+        process, url = start_server(l1_gb=args.lmcache_l1_gb, l2=args.lmcache_l2, log=out)
+        log(f"LMCache server at {url} (pid {process.pid}, {args.lmcache_l1_gb:g} GiB memory"
+            f"{', tier ' + args.lmcache_l2 if args.lmcache_l2 else ''})")
+        try:
+            yield url
+        finally:
+            from .lmcache_store import stop_server
+
+            stop_server(process)
+
+
 def store_memory_bytes(args) -> int:
     if not 0 <= args.store_memory_gb <= 1 << 20:  # (NaN and infinity fail too)
         raise KVBridgeError(f"--store-memory-gb must be a number of GiB from 0 to 1048576, not {args.store_memory_gb}.")
@@ -136,6 +191,7 @@ def _serve_parser() -> argparse.ArgumentParser:
                         "4 MB)")
     add_native_rest(w)
     add_store_memory(w)
+    add_lmcache(p, owner=False)
     w.add_argument("--no-prewarm", dest="prewarm", action="store_false",
                    help="with --store: ignore the conversations a source engine announces for loading ahead "
                         "(serve-source --prewarm, or a source request's kv_transfer_params "
@@ -160,6 +216,7 @@ def _cmd_serve(args) -> int:
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
                                           native_rest=args.native_rest, store_memory_bytes=store_memory_bytes(args),
                                           sync_load=not args.async_load,
+                                          lmcache=args.lmcache, lmcache_model=args.lmcache_model,
                                           **({"min_tokens": min_tokens} if min_tokens is not None else {}))
     if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
         args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
@@ -350,6 +407,7 @@ def _serve_source_parser() -> argparse.ArgumentParser:
                    help="serve the source with vLLM alone, same settings, nothing stored (--store and "
                         "--store-cap-gb are ignored): the baseline of what storing costs the source's own requests "
                         "(kvbridge cascade-bench --source-baseline)")
+    add_lmcache(p, owner=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
@@ -391,6 +449,10 @@ def _cmd_serve_source(args) -> int:
                              args.target_revision or args.map_dtype != "auto"):
         raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target and their "
                             "options) and --prewarm need the store; drop one or the other.")
+    if args.lmcache and (not args.storing or args.prewarm or args.map_ahead or args.mapper or args.target):
+        raise KVBridgeError("--lmcache stores the source's K/V through vLLM's LMCacheMPConnector: --no-store, "
+                            "map-ahead (--map-ahead, --mapper, --target) and --prewarm need the store folder; drop "
+                            "one or the other.")
     if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
         raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
     if args.source:
@@ -400,8 +462,9 @@ def _cmd_serve_source(args) -> int:
         source, name = family.source_path(), "kvbridge-family-source"
         if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
             args.vllm_args += ["--chat-template", family.chat_template_path()]
-    return serve_source(_store_config(args, source) if args.storing else None, source,
-                        args.served_model_name or name, args.host, args.port, args.vllm_args)
+    with lmcache_server(args) as url:
+        return serve_source(_store_config(args, source) if args.storing and not url else None, source,
+                            args.served_model_name or name, args.host, args.port, args.vllm_args, lmcache=url)
 
 
 def _cascade_parser() -> argparse.ArgumentParser:
@@ -425,22 +488,25 @@ def _cascade_parser() -> argparse.ArgumentParser:
     add_prewarm(p)
     add_native_rest(p)
     add_store_memory(p)
+    add_lmcache(p, owner=True)
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
     return p
 
 
-def pair_argv(args) -> tuple[list[str], list[str]]:
-    """``kvbridge serve-source`` and ``kvbridge serve --store`` arguments of a cascade's pair options."""
-    store = ["--store", str(Path(args.store).resolve())]
-    source = store + ["--store-cap-gb", str(args.store_cap_gb)]
+def pair_argv(args, lmcache: str | None = None) -> tuple[list[str], list[str]]:
+    """``kvbridge serve-source`` and ``kvbridge serve --store`` arguments of a cascade's pair options (``lmcache``: an
+    LMCache server's URL both share instead of the store: no map-ahead, no prewarm)."""
+    store = ["--store", str(Path(args.store).resolve())] if not lmcache else ["--lmcache", lmcache]
+    source = store + (["--store-cap-gb", str(args.store_cap_gb)] if not lmcache else [])
     target = list(store)
-    ahead = ("mapper", "mapper_revision", "target", "target_revision") if getattr(args, "map_ahead", False) else ()
+    ahead = ("mapper", "mapper_revision", "target", "target_revision") \
+        if getattr(args, "map_ahead", False) and not lmcache else ()
     for flag in ("source", "source_revision") + ahead:
         if getattr(args, flag):
             source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    if getattr(args, "prewarm", False):
+    if getattr(args, "prewarm", False) and not lmcache:
         source.append("--prewarm")
     if ahead:
         source.append("--map-ahead")
@@ -457,25 +523,32 @@ def pair_argv(args) -> tuple[list[str], list[str]]:
 
 
 def _cmd_cascade(args) -> int:
-    import time
-
     from .cascade import launched_pair
     from .server import target_parallel
 
     target_parallel(args.vllm_args)  # before anything starts: the target's connector would refuse it later
     _store_config(args)
     store_memory_bytes(args)  # (checked before anything starts)
-    source_args, target_args = pair_argv(args)
-    log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs in "
-         f"{args.log_dir}/")
-    with launched_pair(source_args + ["--port", str(args.source_port)],
-                       target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir) as (source, target):
-        print(f"source: {source}/v1   target: {target}/v1   store: {Path(args.store).resolve()}\n"
-              "a conversation's turns on the source are stored as it answers; send the escalated turn to the target "
-              "with kv_transfer_params {\"kvbridge\": \"mapped\"} (the same cache_salt, if any). Ctrl-C stops both.",
-              flush=True)
-        while True:
-            time.sleep(3600)
+    if args.lmcache and args.prewarm:
+        raise KVBridgeError("--prewarm needs the store folder; with --lmcache drop it.")
+    with lmcache_server(args, args.log_dir) as url:
+        source_args, target_args = pair_argv(args, url)
+        log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs "
+            f"in {args.log_dir}/")
+        with launched_pair(source_args + ["--port", str(args.source_port)],
+                           target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir) as (source, target):
+            _wait_cascade(source, target, url or Path(args.store).resolve())
+
+
+def _wait_cascade(source: str, target: str, store) -> None:
+    import time
+
+    print(f"source: {source}/v1   target: {target}/v1   store: {store}\n"
+          "a conversation's turns on the source are stored as it answers; send the escalated turn to the target "
+          "with kv_transfer_params {\"kvbridge\": \"mapped\"} (the same cache_salt, if any). Ctrl-C stops both.",
+          flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def _cascade_bench_parser() -> argparse.ArgumentParser:

@@ -96,6 +96,10 @@ class ServeConfig(ExtraConfig):
     asynchronous KV load: the request waits in ``WAITING_FOR_REMOTE_KVS`` and joins once its blocks are written).
     Synchronous is the default because it measured better on a 2-core CPU (``kvbridge load-bench``: the thread's map
     competes with the engine's steps for the cores and the interpreter, and took 1.7× as long).
+    ``lmcache``: instead of ``store``, the URL (``tcp://host:port``) of the LMCache server a source engine stores its
+    K/V in through vLLM's ``LMCacheMPConnector`` (:mod:`kvbridge.serving.lmcache_store`; whole LMCache chunks, no
+    map-ahead); ``lmcache_model``: the model name that engine was given (LMCache keys by it; default: ``source``,
+    as ``kvbridge serve-source`` gives it); ``lmcache_timeout_s``: the longest wait for one LMCache round trip.
     """
 
     mapper: str
@@ -112,6 +116,9 @@ class ServeConfig(ExtraConfig):
     native_rest: int = 256
     store_memory_bytes: int = 1 << 30
     sync_load: bool = True
+    lmcache: str | None = None
+    lmcache_model: str | None = None
+    lmcache_timeout_s: float = 2.0
 
     def __post_init__(self):
         for name in ("mapper", "source", "target"):
@@ -124,6 +131,20 @@ class ServeConfig(ExtraConfig):
             raise InputError(f"kvbridge serving: min_tokens must be an integer >= 2, not {self.min_tokens!r}.")
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
+        if self.lmcache is not None:
+            from .lmcache_store import parse_url
+
+            parse_url(self.lmcache)
+            if self.store is not None:
+                raise InputError("kvbridge serving: the source's stored K/V are read from one place: a store folder "
+                                 "or an LMCache server, not both.")
+        if self.lmcache_model is not None and (not isinstance(self.lmcache_model, str) or not self.lmcache_model):
+            raise InputError(f"kvbridge serving: lmcache_model must be the source engine's model name, not "
+                             f"{self.lmcache_model!r}.")
+        if not isinstance(self.lmcache_timeout_s, (int, float)) or isinstance(self.lmcache_timeout_s, bool) or \
+                not 0 < self.lmcache_timeout_s <= 600:
+            raise InputError(f"kvbridge serving: lmcache_timeout_s must be in (0, 600] seconds, not "
+                             f"{self.lmcache_timeout_s!r}.")
         request_native_rest({NATIVE_REST: self.native_rest}, "native_rest")
         if not isinstance(self.store_memory_bytes, int) or isinstance(self.store_memory_bytes, bool) or \
                 self.store_memory_bytes < 0:

@@ -282,8 +282,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._clock = None  # when the engine's steps run (the prefetch waits for a quiet spell)
         self._identity: str | None = None
         self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
+        self._lmcache = None  # the source engine's K/V in LMCache (kvbridge.serving.lmcache_store), with lmcache
+        self._refusals: dict[str, str] = {}  # request id -> why its stored prefix was not (all) used
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
+        elif self.config.lmcache:  # the scheduler counts the stored prefix (lookups only: no pages)
+            self._lmcache = self._lmcache_source(vllm_config, reads=False)
         elif self.config.store:  # the scheduler counts how much of a prompt is stored (no weights loaded)
             try:
                 from .store import folder_identity
@@ -321,6 +325,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
                         "and writes its share of the target's heads%s", self.tensor_parallel,
                         "; each holds its own transformers copy of the target's weights for the recompute (a map "
                         "without recompute needs none)" if bridge.runs_target else "")
+        if self.config.lmcache:
+            self._lmcache = self._lmcache_source(self._vllm_config, bridge)
+            logger.info("kvbridge connector: the source engine's K/V stored in LMCache at %s (model %r) are mapped "
+                        "without a source prefill (warm transfer; %s pages, lookups and retrieves within %g s)",
+                        self._lmcache.url, self._lmcache.model_name, self._lmcache.layout, self._lmcache.timeout_s)
+            if bridge.needs_source_state:
+                logger.warning("kvbridge connector: this map reads the source's hidden states (a state lever, or a "
+                               "recompute ranked by the source's %s), which LMCache does not keep: every prefix is "
+                               "mapped from a fresh source prefill (the cold path); serve a mapper without them, or "
+                               "--recompute 0", bridge.recompute_by)
         if self.config.store:
             from ..models import source_hidden_size
             from .store import identity
@@ -346,6 +360,35 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 logger.info("kvbridge connector: blocks mapped ahead are loaded into memory as the source engine "
                             "announces them (up to %.2f GiB)", self.config.store_memory_bytes / 2**30)
         return bridge
+
+    def _lmcache_source(self, vllm_config, bridge=None, reads: bool = True):
+        """The reader of the source engine's K/V in LMCache: its geometry from the loaded source (or, on the
+        scheduler, its config); its pages laid out as this engine lays out its own (the source engine must use the
+        same backend, dtype and block size: a layout the reader cannot decode is refused here, by name)."""
+        from .lmcache_store import Geometry, LMCacheSource, page_layout
+
+        if bridge is not None:
+            info = bridge.source.info
+            geometry = Geometry(info.num_layers, info.num_kv_heads, info.head_dim)
+        else:
+            source = self._bridge_free_source_geometry()
+            geometry = Geometry(*source)
+        from vllm.platforms import current_platform
+
+        layout = page_layout(current_platform.device_type, vllm_config.model_config.dtype, self.block_size,
+                             geometry.head_dim)
+        return LMCacheSource(self.config.lmcache, self.config.lmcache_model or self.config.source, self.block_size,
+                             geometry, layout, self.config.lmcache_timeout_s,
+                             max_tokens=min(self.source_positions, 8192), logger=logger, reads=reads)
+
+    def _bridge_free_source_geometry(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the source from its config (no weights loaded)."""
+        from ..models import _text_config
+
+        text = _text_config(self.config.source)[0]
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return (text.num_hidden_layers, heads,
+                getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     def store(self):
         """The source engine's KV store, None until that engine has created it (or without one)."""
@@ -398,7 +441,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         ids = torch.tensor([token_ids], dtype=torch.long)
         tokens, refusal, cache, premapped, hot = 0, None, None, 0, 0
-        if use_store and self.config.store:
+        if use_store and self._lmcache is not None:
+            try:  # LMCache is an optimization too: a miss, a refused entry or a server down leave the cold path
+                found = self._lmcache.lookup(token_ids, salt, len(token_ids))
+                tokens, refusal = found.tokens, found.reason
+                if found.tokens:
+                    if found.hidden is None and self._bridge.needs_source_state:
+                        tokens, refusal = 0, ("LMCache holds the source's K/V, not its hidden states, which this "
+                                              "map reads")
+                    else:
+                        stored = Stored(found.tokens, found.keys, found.values, found.hidden)
+                        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+            except Exception as exc:
+                tokens, cache = 0, None
+                refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        elif use_store and self.config.store:
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
@@ -565,6 +622,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._hot.stop()
         if self._loader is not None:
             self._loader.shutdown(wait=True, cancel_futures=True)
+        if self._lmcache is not None:
+            self._lmcache.close()
         super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -619,6 +678,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         follow it before ``end`` — the engine computes them itself, over the stored prefix, and the source does not
         run — else ``end`` (the source prefills what the store lacks; nothing stored: the cold path). The worker
         reads and checks the entries: one that fails there is computed by the source instead."""
+        if use_store and native_rest and self._lmcache is not None:
+            limit, stored = self._counted.get(request.request_id, (None, 0))
+            if limit != end:  # (asked once per request and limit: a lookup is a round trip to the server)
+                stored = self._lmcache.stored_tokens(list(request.prompt_token_ids),
+                                                     client_salt(request.cache_salt, self.namespace), end)
+                self._counted[request.request_id] = (end, stored)
+            return stored if 0 < stored and end - stored <= native_rest else end
         if not use_store or not native_rest or self._identity is None:
             return end
         try:
@@ -679,6 +745,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._stats.data["premapped_tokens"] += premapped
             self._stats.data["hot_tokens"] += hot
             self._stats.data["store_refused"] += int(refused is not None)
+            if refused is not None and rid in self._status:
+                self._refusals[rid] = refused
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = (ms, write_ms)
@@ -688,6 +756,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         rid = request.request_id
         status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
         tokens, ms, stored = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None), self._stored.pop(rid, None)
+        refused = self._refusals.pop(rid, None)
         for state in (self._planned, self._decided, self._counted):
             state.pop(rid, None)
         if status is None:
@@ -696,9 +765,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         params: dict[str, Any] = {PARAM: status}
         if status == "mapped":
             params["kvbridge_mapped_tokens"] = tokens
-            if stored is not None and self.config.store:
+            if stored is not None and (self.config.store or self.config.lmcache):
                 params["kvbridge_stored_tokens"], params["kvbridge_premapped_tokens"], \
                     params["kvbridge_hot_tokens"] = stored
+            if refused is not None:
+                params["kvbridge_store_refused"] = refused
         if ms is not None:
             params["kvbridge_map_ms"], params["kvbridge_write_ms"] = round(ms[0], 2), round(ms[1], 2)
         return False, params

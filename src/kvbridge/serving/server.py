@@ -138,10 +138,11 @@ def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passt
 
 
 def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, host: str, port: int,
-                passthrough: list[str], device: str = "cpu") -> list[str]:
+                passthrough: list[str], device: str = "cpu", lmcache: str | None = None) -> list[str]:
     """``vllm serve`` arguments for the source with the storing connector and its llama-4 query scaling; the store's
     block size when it already has one (an engine's blocks must be the store's). ``config`` None: the same server
-    without the connector (``--no-store``: the baseline of what storing costs the source's own requests)."""
+    without the connector (``--no-store``: the baseline of what storing costs the source's own requests), or, with
+    ``lmcache`` (a server's URL), with vLLM's own ``LMCacheMPConnector`` storing into it."""
     from .config import llama4_scaling
     from .store import STORE_FILE
 
@@ -152,6 +153,10 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
     argv = ["serve", source_dir, "--host", host, "--port", str(port)]
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(producer_transfer_config(config))]
+    elif lmcache:
+        from .lmcache_store import source_transfer_config
+
+        argv += ["--kv-transfer-config", json.dumps(source_transfer_config(lmcache))]
     overrides = llama4_scaling(source_dir)
     if overrides and "--hf-overrides" not in given:
         argv += ["--hf-overrides", json.dumps(overrides)]
@@ -174,9 +179,9 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
 
 
 def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, host: str = "127.0.0.1",
-                 port: int = 8001, passthrough: list[str] | None = None) -> int:
+                 port: int = 8001, passthrough: list[str] | None = None, lmcache: str | None = None) -> int:
     """vLLM's server for the source, storing its KV as it serves (warm transfer's producer), until stopped;
-    ``config`` None: without a store (a baseline)."""
+    ``config`` None: without a store (a baseline), or storing into the LMCache server at ``lmcache``."""
     tensor, pipeline = source_parallel(config, list(passthrough or []))
     try:
         import vllm.entrypoints.cli.serve  # noqa: F401
@@ -194,8 +199,10 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         cpu_defaults(tensor * pipeline)
-    argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device)
-    if config is None:
+    argv = source_argv(config, source_dir, served_name, host, port, list(passthrough or []), device, lmcache)
+    if lmcache:
+        what = f"storing its KV in LMCache at {lmcache} (vLLM's LMCacheMPConnector, model name {source_dir!r})"
+    elif config is None:
         what = "without a store (vLLM alone)"
     else:
         ahead = f", mapping it ahead with {config.mapper}" if config.mapper else ""
