@@ -104,3 +104,14 @@ def test_family_stands_for_the_pair_and_is_checked(fitted, capsys, monkeypatch, 
     # the family's models with a mapper of another pair: refused as any wrong pair is
     assert main(["generate", "--family", "default", "--mapper", str(out), "--prompt", "def f(x):"]) == 1
     assert "mapper" in capsys.readouterr().err
+
+
+def test_help_lists_every_command(capsys):
+    """`kvbridge --help` names every command main() dispatches, the serving ones (own parsers) included."""
+    from kvbridge.cli import COMMANDS, SERVING
+    from kvbridge.serving.commands import PARSERS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    ")}
+    assert set(SERVING) == set(PARSERS) and (set(COMMANDS) | set(SERVING)) <= listed

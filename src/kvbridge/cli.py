@@ -15,6 +15,7 @@ from .console import require as _require
 from .errors import KVBridgeError
 from .family import FAMILIES, describe
 from .outputs import check_output_dir, check_output_file, write_text
+from .serving.commands import SUMMARIES as SERVING_SUMMARIES
 
 FAMILY_NAMES = tuple(FAMILIES)
 
@@ -450,14 +451,8 @@ def _parser() -> argparse.ArgumentParser:
                         add_help=False)
     lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see `lm-eval run -h`)")
 
-    sub.add_parser("serve", help="vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge "
-                                 "connector (kvbridge serve --help)", add_help=False)
-    sub.add_parser("serve-bench", help="time to first token through vLLM, native vs mapped, at several lengths and "
-                                       "concurrencies (kvbridge serve-bench --help)", add_help=False)
-    sub.add_parser("load-bench", help="serving under load: one Poisson trace against plain vLLM and kvbridge "
-                                      "(kvbridge load-bench --help)", add_help=False)
-    sub.add_parser("serve-eval", help="the family tasks' retention through vLLM next to Bridge's (kvbridge serve-eval "
-                                      "--help)", add_help=False)
+    for name, summary in SERVING_SUMMARIES.items():  # they parse their own options (vLLM's pass through)
+        sub.add_parser(name, help=f"{summary} (kvbridge {name} --help)", add_help=False)
 
     card = sub.add_parser("card", help="write a Hub model card, artifact_manifest.json and example.py into an artifact",
                           description="Adds README.md (a Hub model card: the pair with revisions and fingerprints, "
@@ -1050,7 +1045,7 @@ def _family_pair(args) -> None:
 
 
 # their parsers and handlers live in kvbridge.serving.commands
-SERVING = ("serve", "serve-source", "cascade", "serve-bench", "cascade-bench", "serve-eval", "load-bench")
+SERVING = tuple(SERVING_SUMMARIES)
 LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
 
 

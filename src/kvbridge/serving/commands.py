@@ -855,6 +855,16 @@ def _cmd_load_bench(args) -> int:
     return 0
 
 
+# what `kvbridge --help` lists for each (their own --help has the options)
+SUMMARIES = {
+    "serve": "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
+    "serve-source": "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
+    "cascade": "a source server and a target server that reads the source's stored KV when a conversation escalates",
+    "serve-bench": "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
+    "cascade-bench": "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
+    "load-bench": "serving under load: one Poisson trace against plain vLLM and kvbridge",
+    "serve-eval": "the family tasks' retention through vLLM next to Bridge's",
+}
 PASSTHROUGH = {"serve": "vllm_args", "serve-source": "vllm_args", "cascade": "vllm_args", "serve-bench": "serve_args",
                "cascade-bench": "vllm_args", "load-bench": "serve_args"}
 PARSERS = {"serve": _serve_parser, "serve-source": _serve_source_parser, "cascade": _cascade_parser,
