@@ -135,6 +135,7 @@ def test_stored_kv_without_hidden_states_map_as_a_fresh_source_prefill():
 def test_a_server_down_is_a_reason_within_the_timeout():
     from kvbridge.serving.lmcache_store import Geometry, LMCacheSource, free_port
 
+    pytest.importorskip("lmcache.integration.vllm.vllm_multi_process_adapter")  # imported first: seconds, not a wait
     reader = LMCacheSource(f"tcp://127.0.0.1:{free_port()}", "m", BLOCK, Geometry(2, 4, 32), timeout_s=0.5)
     started = time.monotonic()
     found = reader.lookup(list(range(600)), None, 600)
