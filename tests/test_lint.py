@@ -17,9 +17,8 @@ def test_ruff_is_clean():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-
-def test_no_import_cycle_in_the_package():
-    """No module imports, at any level (top or inside a function), a module that imports it back."""
+def import_graph() -> dict[str, set[str]]:
+    """Each kvbridge module's relative imports at any level (top or inside a function), as module names."""
     import ast
 
     package = ROOT / "src" / "kvbridge"
@@ -35,6 +34,12 @@ def test_no_import_cycle_in_the_package():
                 target = ".".join(base + ([node.module] if node.module else []))
                 deps |= {f"{target}.{a.name}" for a in node.names} if node.module is None else {target}
         graph[module] = deps
+    return graph
+
+
+def test_no_import_cycle_in_the_package():
+    """No module imports, at any level (top or inside a function), a module that imports it back."""
+    graph = import_graph()
     modules = set(graph)
 
     def reachable(start):
@@ -49,6 +54,32 @@ def test_no_import_cycle_in_the_package():
     cycles = sorted({tuple(sorted((a, b))) for a in modules for b in graph[a] & modules
                      if a != b and a in reachable(b)})
     assert not cycles, cycles
+
+
+# code that runs inside a vLLM engine, and what it must never reach: launchers, benchmarks, the command line
+ENGINE = {f"kvbridge.serving.{m}" for m in ("config", "connector", "producer", "store", "hot", "idle", "prewarm",
+                                             "middleware", "lmcache_store")}
+ABOVE_ENGINE = {f"kvbridge.serving.{m}" for m in ("server", "commands", "bench", "cascade", "quality", "load",
+                                                   "lmcache_probe")} | {"kvbridge.cli", "kvbridge.demo",
+                                                                        "kvbridge.frontier", "kvbridge.gap"}
+
+
+def test_engine_code_never_reaches_the_launchers():
+    """The layers hold: a module vLLM loads imports (at any depth, at any level) no launcher, benchmark or CLI."""
+    graph = import_graph()
+
+    def reachable(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    assert ENGINE <= set(graph), ENGINE - set(graph)
+    reached = {m: sorted(reachable(m) & ABOVE_ENGINE) for m in sorted(ENGINE)}
+    assert not any(reached.values()), reached
 
 
 def test_every_relative_import_names_something_that_exists():

@@ -4,9 +4,7 @@ A small source model prefills the context, a closed-form linear mapper turns its
 cache of a larger target model of the same family, and the target continues without prefilling.
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402  (after __version__: modules read it)
+from .errors import (
     ArtifactError,
     CompatibilityError,
     FitError,
@@ -20,6 +18,7 @@ from .fit import FitConfig, fit_mapper  # noqa: E402
 from .mapper import Mapper, MapperConfig  # noqa: E402
 from .models import load_model  # noqa: E402
 from .transfer import Bridge  # noqa: E402
+from .version import __version__
 
 __all__ = [
     "ArtifactError",

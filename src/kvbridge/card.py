@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import __version__
 from .artifact import (
     CARD_FILES,
     CHECKSUMS_FILE,
@@ -35,6 +34,7 @@ from .hashing import sha256_file
 from .hub import is_hub_id
 from .mapper import MapperConfig, read_config, require_verified
 from .outputs import write_text
+from .version import __version__
 
 CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE = CARD_FILES
 MANIFEST_FORMAT = "kvbridge-artifact-manifest"

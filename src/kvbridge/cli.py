@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import __version__
 from .console import EPILOG
 from .console import check_results as _check_results
 from .console import counts as _contexts
@@ -16,6 +15,7 @@ from .errors import KVBridgeError
 from .family import FAMILIES, describe
 from .outputs import check_output_dir, check_output_file, write_text
 from .serving.commands import SUMMARIES as SERVING_SUMMARIES
+from .version import __version__
 
 FAMILY_NAMES = tuple(FAMILIES)
 

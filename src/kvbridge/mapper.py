@@ -402,7 +402,7 @@ class MapperConfig:
 
     # -- mapper.json (the format's name, version and validation: kvbridge.schema) ---------------
     def to_dict(self) -> dict[str, Any]:
-        from . import __version__
+        from .version import __version__
 
         return {
             "format": schema.FORMAT,

@@ -196,7 +196,14 @@ def _quiet_transformers():
         hf_logging.enable_progress_bar()
 
 
-def _text_config(local_dir):
+def resolve_model(id_or_path: str, revision: str | None) -> str:
+    """A model folder for a folder or a hub id (downloaded once, or read from the hub cache)."""
+    from .hub import snapshot
+
+    return str(snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")[0])
+
+
+def text_config(local_dir):
     """The decoder config; for a multimodal repo, its text part plus whether names need mapping."""
     from transformers import AutoConfig
 
@@ -223,7 +230,7 @@ def load_model(
 
     check_device(device)
     local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
-    config, multimodal = _text_config(local_dir)
+    config, multimodal = text_config(local_dir)
     torch_dtype = resolve_dtype(dtype, device)
     kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "output_loading_info": True}
     if multimodal:
@@ -295,7 +302,7 @@ def load_rope_model(id_or_path: str, revision: str | None = None, device: str | 
 
     check_device(device)
     local_dir, commit = snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")
-    config, _ = _text_config(local_dir)
+    config, _ = text_config(local_dir)
     with _quiet_transformers(), torch.device("meta"):
         try:
             skeleton = AutoModelForCausalLM.from_config(config)

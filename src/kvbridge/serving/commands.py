@@ -42,9 +42,8 @@ def pair_config(args, **settings):
     """``(ServeConfig, served model name, is the family)`` from the pair options (hub ids resolved to folders)."""
     from .. import family
     from ..artifact import resolve
-    from ..models import check_device
+    from ..models import check_device, resolve_model
     from .config import ServeConfig
-    from .server import resolve_model
 
     if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
         raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
@@ -310,8 +309,9 @@ def _cmd_serve_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import family
+    from ..models import resolve_model
     from .bench import engine_table, plot_engine, run_engine_bench, write_report
-    from .server import launched, resolve_model
+    from .server import launched
 
     contexts = counts(args.contexts, minimum=2)
     concurrency = counts(args.concurrency, minimum=1, flag="--concurrency")
@@ -420,8 +420,9 @@ def _store_config(args, source: str | None = None):
     target, resolved and checked against the source before vLLM starts."""
     from .. import family
     from ..artifact import resolve
+    from ..models import resolve_model
     from .config import ServeConfig, StoreConfig
-    from .server import preflight, resolve_model
+    from .server import preflight
 
     if not args.store_cap_gb > 0:
         raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
@@ -443,7 +444,8 @@ def _store_config(args, source: str | None = None):
 
 def _cmd_serve_source(args) -> int:
     from .. import family
-    from .server import resolve_model, serve_source
+    from ..models import resolve_model
+    from .server import serve_source
 
     if not args.storing and (args.prewarm or args.map_ahead or args.mapper or args.target or args.mapper_revision or
                              args.target_revision or args.map_dtype != "auto"):
@@ -770,11 +772,12 @@ def _cmd_load_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import family
+    from ..models import resolve_model
     from ..outputs import write_text
     from ..suite import _commit
     from .bench import heldout_stream
     from .load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
-    from .server import flag_value, given_flags, launched, resolve_model
+    from .server import flag_value, given_flags, launched
 
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]

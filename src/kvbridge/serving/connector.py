@@ -383,9 +383,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def _bridge_free_source_geometry(self) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of the source from its config (no weights loaded)."""
-        from ..models import _text_config
+        from ..models import text_config
 
-        text = _text_config(self.config.source)[0]
+        text = text_config(self.config.source)[0]
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         return (text.num_hidden_layers, heads,
                 getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)

