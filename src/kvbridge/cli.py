@@ -220,16 +220,8 @@ def _fit_config(args):
                      source_depth=args.source_depth, **_lever_settings(args))
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvbridge",
-        description="Cross-model KV-cache transfer: a small model prefills, a linear mapper converts its cache, "
-                    "a larger model of the same family continues without prefilling.",
-        epilog=EPILOG,
-    )
-    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_fit(sub) -> None:
+    """`kvbridge fit`'s options."""
     fit = sub.add_parser("fit", help="fit a mapper from source to target on calibration texts",
                          description="Capture both models' KV caches on the same texts, accumulate statistics in one "
                                      "pass, select source layers and solve a closed-form affine ridge map per target "
@@ -242,6 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_levers(fit)
 
+
+def _add_plan(sub) -> None:
+    """`kvbridge plan`'s options."""
     pl = sub.add_parser("plan", help="predict a fit's and the runtime's memory from the two configs alone",
                         description="Peak memory and FLOPs of `kvbridge fit` with these options (per phase, on the "
                                     "host and on the fit's device) and of a mapped prefill per context length, from "
@@ -268,6 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_fit_options(pl)
     _add_levers(pl)
 
+
+def _add_generate(sub) -> None:
+    """`kvbridge generate`'s options."""
     gen = sub.add_parser("generate", help="answer a prompt from a mapped cache (optionally beside native)",
                          description="The source prefills the prompt except its last token(s), the mapper builds the "
                                      "target's cache, the target generates.", epilog=EPILOG)
@@ -284,6 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
     gen.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
 
+
+def _add_demo(sub) -> None:
+    """`kvbridge demo`'s options."""
     demo = sub.add_parser("demo",
                           help="the whole job on the embedded family: fit, verify, transfer, retention, latency",
                           description="Runs offline on the two small models shipped with kvbridge: loads the "
@@ -302,6 +303,9 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"the embedded family ({describe()}; only default ships a mapper, for the others the "
                            "demo fits one)")
 
+
+def _add_frontier(sub) -> None:
+    """`kvbridge frontier`'s options."""
     fr = sub.add_parser("frontier", help="retention vs time to first token over a grid of lever settings",
                         description="Fits mappers over a grid of lever settings (plain map, lagged features, residual "
                                     "MLP, tuning on the target's output, selective recompute, hold-back, "
@@ -350,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
                          "another seed to see how much of a difference between points is the fit's chance")
     fr.add_argument("--quiet", action="store_true", help="no progress bars")
 
+
+def _add_bench(sub) -> None:
+    """`kvbridge bench`'s options."""
     bench = sub.add_parser("bench", help="latency table: native prefill vs source prefill + map, with FLOP limits",
                            description="Times native target prefill, source prefill, warm map and cold source+map per "
                                        "context length (warm-ups, then trials; medians), with the map's FLOPs, its "
@@ -365,6 +372,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="write every row (timings, FLOPs, efficiency, memory) to this file")
     bench.add_argument("--plot", help="write a PNG: latency vs context (log-log) and speedups")
 
+
+def _add_eval(sub) -> None:
+    """`kvbridge eval`'s options."""
     ev = sub.add_parser("eval", help="native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table",
                         description="Runs lm-evaluation-harness once per mode through the registered `kvbridge` model "
                                     "and prints task, native, mapped, raw and floor-normalized retention (floors: 25% "
@@ -386,6 +396,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--with-source", action="store_true", help="also run the source alone")
     ev.add_argument("--out", help="folder for results.json (full lm-eval output) and table.md")
 
+
+def _add_gap(sub) -> None:
+    """`kvbridge gap`'s options."""
     gp = sub.add_parser("gap", help="what the mapped target keeps of the target's lead over the source, on third-party "
                                     "text: gap recovered, free generation, TTFT",
                         description="Measures, per context length, perplexity and cloze (native, mapped, source "
@@ -420,6 +433,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="print (and with --out, rewrite) the tables of a saved gap.json instead of measuring")
     gp.add_argument("--quiet", action="store_true", help="no progress lines")
 
+
+def _add_diagnose(sub) -> None:
+    """`kvbridge diagnose`'s options."""
     dg = sub.add_parser("diagnose", help="per-layer R², attention-output cosine, next-token KL and top-1 agreement",
                         description="On held-out text: R² of mapped K and V per target layer, cosine of the target's "
                                     "attention outputs with native vs mapped K/V (its own queries, query scaling "
@@ -438,11 +454,17 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --oracle, also each layer's K/V from the target's own forward with attention limited "
                          "to the last W tokens, e.g. 8,32: does the layer need nearby tokens or the whole prefix?")
 
+
+def _add_inspect(sub) -> None:
+    """`kvbridge inspect`'s options."""
     ins = sub.add_parser("inspect", help="show a mapper's pair, geometry, selection and fit summary")
     ins.add_argument("mapper", help="mapper folder or hub id")
     ins.add_argument("--revision", help="hub revision of the mapper")
     ins.add_argument("--json", action="store_true", help="print mapper.json instead of the summary")
 
+
+def _add_lm_eval(sub) -> None:
+    """`kvbridge lm-eval`'s options."""
     lm = sub.add_parser("lm-eval", help="lm-evaluation-harness's own command line, with the kvbridge model registered",
                         description="Runs `lm-eval` with every argument passed through, after registering the "
                                     "`kvbridge` model and kvbridge's offline tasks, e.g. `kvbridge lm-eval --model "
@@ -451,9 +473,15 @@ def _parser() -> argparse.ArgumentParser:
                         add_help=False)
     lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (see `lm-eval run -h`)")
 
+
+def _add_serving(sub) -> None:
+    """The serving commands, listed here; they parse their own options (vLLM's pass through)."""
     for name, summary in SERVING_SUMMARIES.items():  # they parse their own options (vLLM's pass through)
         sub.add_parser(name, help=f"{summary} (kvbridge {name} --help)", add_help=False)
 
+
+def _add_card(sub) -> None:
+    """`kvbridge card`'s options."""
     card = sub.add_parser("card", help="write a Hub model card, artifact_manifest.json and example.py into an artifact",
                           description="Adds README.md (a Hub model card: the pair with revisions and fingerprints, "
                                       "the fit, retention and latency tables rendered from result files, usage, "
@@ -473,6 +501,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="replace README.md, example.py or artifact_manifest.json even when an earlier card did not "
                            "write them (by default those are refused, so a file of yours is never overwritten)")
 
+
+def _add_push(sub) -> None:
+    """`kvbridge push`'s options."""
     push = sub.add_parser("push", help="verify an artifact, then upload it to the Hugging Face Hub",
                           description="Verifies the artifact, creates the hub repo if needed and uploads the "
                                       "artifact's files (and its card, if `kvbridge card` wrote one) in one commit, "
@@ -484,9 +515,38 @@ def _parser() -> argparse.ArgumentParser:
     push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
     push.add_argument("--token", help="hub token (default: the one `hf auth login` stored, or HF_TOKEN)")
 
+
+def _add_verify(sub) -> None:
+    """`kvbridge verify`'s options."""
     ver = sub.add_parser("verify", help="check a mapper's files, checksums and tensor shapes (exit 1 on any problem)")
     ver.add_argument("mapper", help="mapper folder or hub id")
     ver.add_argument("--revision", help="hub revision of the mapper")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="Cross-model KV-cache transfer: a small model prefills, a linear mapper converts its cache, "
+                    "a larger model of the same family continues without prefilling.",
+        epilog=EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_fit(sub)
+    _add_plan(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_frontier(sub)
+    _add_bench(sub)
+    _add_eval(sub)
+    _add_gap(sub)
+    _add_diagnose(sub)
+    _add_inspect(sub)
+    _add_lm_eval(sub)
+    _add_serving(sub)
+    _add_card(sub)
+    _add_push(sub)
+    _add_verify(sub)
     return parser
 
 
