@@ -257,13 +257,19 @@ def test_the_target_escalates_a_stored_conversation_as_the_cold_path(engines):
     prompts = stream_prompts((600, 1100), offset=10)
     histories = serve_source(source, prompts)
     turns = [h + e[1:] for h, e in zip(histories, stream_prompts((40, 40), offset=60))]
-    cold, _ = ask_target(target, config, turns, use_store=False, salt="cold")
+    cold, cold_status = ask_target(target, config, turns, use_store=False, salt="cold")
+    assert not any("kvbridge_read_ms" in st for st in cold_status), cold_status  # (no store read: no read phases)
     # the new turn mapped too (native_rest 0): the stored chunks are mapped, the source prefills only the rest
     warm, status = ask_target(target, config, turns, native_rest=0)
     for turn, prompt, st, w, c in zip(turns, prompts, status, warm, cold):
         assert st["kvbridge"] == "mapped" and st["kvbridge_stored_tokens"] == stored_chunks(len(prompt)), st
         assert st["kvbridge_mapped_tokens"] == len(turn) - 1 and "kvbridge_store_refused" not in st, st
         assert w == c
+        # where the load's time went, by phase (connect: the connector's first read dialed the server)
+        read = st["kvbridge_read_ms"]
+        assert set(read) - {"connect"} == {"lookup", "retrieve", "decode", "check", "map", "write"}, st
+        assert read["retrieve"] > 0 and abs(read["write"] - st["kvbridge_write_ms"]) < 0.02, st
+    assert sum("connect" in st["kvbridge_read_ms"] for st in status) == 1, status  # (the first load only)
     # the server's default: only the stored chunks are loaded (no source prefill at all), the target computes the
     # rest itself — the cold path's answer with that much held back (the conversations stored again under a salt of
     # their own: the last way's blocks are in the target's prefix cache)

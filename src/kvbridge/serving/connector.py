@@ -80,6 +80,15 @@ COUNTS = {"stored_tokens": "prompt tokens mapped from the source engine's stored
                            "torn or corrupted)"}
 
 
+# a load's time reading a stored source prefix, by phase: from LMCache (connect, when the read dialed the server;
+# lookup, retrieve, decode of the source engine's page layout, check of the values' range) or from the store's folder
+# (read: the entries found, checked); then the map and the writes into the engine's paged cache
+PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
+# a finished load: (outcome, ms, stored tokens, refusal, premapped tokens, of them from memory, write ms, ms by phase
+# (empty when no store was consulted))
+Outcome = tuple[str, float, int, str | None, int, int, float, dict]
+
+
 @dataclass
 class Load:
     """One request's mapped prefix: K/V of prompt positions [start, end) into ``block_ids`` (the request's blocks,
@@ -105,10 +114,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
 class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker → scheduler: each loaded request's outcome (``"mapped"`` or ``"fallback: …"``), map time, prefix tokens
     read from the store, why a store entry was refused (None: none was), and prefix tokens whose target K/V the
-    source engine had mapped ahead (of them, read from the connector's memory), and of the map time, the writes into
-    the engine's paged cache."""
+    source engine had mapped ahead (of them, read from the connector's memory), of the map time, the writes into
+    the engine's paged cache, and where the time of a load that read the store went (:data:`PHASES`)."""
 
-    outcomes: dict[str, tuple[str, float, int, str | None, int, int, float]] = field(default_factory=dict)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = dict(self.outcomes)
@@ -116,8 +125,11 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
             if rid in merged and merged[rid][0] == "mapped" and outcome[0] != "mapped":
                 merged[rid] = outcome  # one worker's failure makes the request's load a failure
             elif rid in merged and merged[rid][0] == outcome[0] == "mapped":  # each worker has its own memory tier:
-                # what all of them read there; the slowest worker's writes
-                merged[rid] = merged[rid][:5] + (min(merged[rid][5], outcome[5]), max(merged[rid][6], outcome[6]))
+                # what all of them read there; the slowest worker's writes and phases
+                phases = {k: max(merged[rid][7].get(k, 0.0), outcome[7].get(k, 0.0))
+                          for k in {**merged[rid][7], **outcome[7]}}
+                merged[rid] = merged[rid][:5] + (min(merged[rid][5], outcome[5]), max(merged[rid][6], outcome[6]),
+                                                 phases)
             else:
                 merged.setdefault(rid, outcome)
         return KVBridgeWorkerMetadata(merged)
@@ -133,7 +145,8 @@ class KVBridgeStats(KVConnectorStats):
             self.reset()
 
     def reset(self):
-        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, "write_ms": 0.0, **{c: 0 for c in COUNTS}}
+        self.data = {**{s: 0 for s in STATUSES}, "map_ms": 0.0, "write_ms": 0.0, **{c: 0 for c in COUNTS},
+                     **{f"read_{p}_ms": 0.0 for p in PHASES}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -143,7 +156,9 @@ class KVBridgeStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         return {**{s: self.data.get(s, 0) for s in STATUSES}, "map_ms": round(self.data.get("map_ms", 0.0), 1),
                 "write_ms": round(self.data.get("write_ms", 0.0), 1),
-                **{c: self.data.get(c, 0) for c in COUNTS}}
+                **{c: self.data.get(c, 0) for c in COUNTS},
+                **{f"read_{p}_ms": round(self.data[f"read_{p}_ms"], 1) for p in PHASES
+                   if self.data.get(f"read_{p}_ms")}}
 
     def is_empty(self) -> bool:
         return not any(self.data.get(s) for s in STATUSES)
@@ -153,7 +168,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     """``/metrics``: ``vllm:kvbridge_requests_total{outcome=…}``, ``vllm:kvbridge_map_seconds_total`` (of it
     ``vllm:kvbridge_write_seconds_total``, the cache writes),
     ``vllm:kvbridge_stored_tokens_total``, ``vllm:kvbridge_premapped_tokens_total``,
-    ``vllm:kvbridge_hot_tokens_total`` and ``vllm:kvbridge_store_refused_total``."""
+    ``vllm:kvbridge_hot_tokens_total``, ``vllm:kvbridge_store_refused_total`` and
+    ``vllm:kvbridge_read_seconds_total{phase=…}`` (the loads that read a stored source prefix, by phase:
+    :data:`PHASES`)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -166,12 +183,18 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                    labelnames=labelnames)
         counters = {c: self._counter_cls(name=f"vllm:kvbridge_{c}", documentation=doc, labelnames=labelnames)
                     for c, doc in COUNTS.items()}
+        reads = self._counter_cls(name="vllm:kvbridge_read_seconds", documentation="time of the loads that read a "
+                                  "stored source prefix (the store's folder or LMCache), by phase: connect, lookup, "
+                                  "retrieve, decode, check (LMCache), read (the folder), map, write",
+                                  labelnames=[*labelnames, "phase"])
         self._requests = {(e, s): requests.labels(*values, s) for e, values in per_engine_labelvalues.items()
                           for s in STATUSES}
         self._seconds = {e: seconds.labels(*values) for e, values in per_engine_labelvalues.items()}
         self._writes = {e: writes.labels(*values) for e, values in per_engine_labelvalues.items()}
         self._counts = {(e, c): counter.labels(*values) for e, values in per_engine_labelvalues.items()
                         for c, counter in counters.items()}
+        self._reads = {(e, p): reads.labels(*values, p) for e, values in per_engine_labelvalues.items()
+                       for p in PHASES}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for status in STATUSES:
@@ -184,6 +207,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for c in COUNTS:
             if transfer_stats_data.get(c):
                 self._counts[(engine_idx, c)].inc(transfer_stats_data[c])
+        for phase in PHASES:
+            if transfer_stats_data.get(f"read_{phase}_ms"):
+                self._reads[(engine_idx, phase)].inc(transfer_stats_data[f"read_{phase}_ms"] / 1000)
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -263,6 +289,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._decided: dict[str, tuple[str, int, int, bool]] = {}
         self._tokens: dict[str, int] = {}  # request id -> prompt tokens mapped
         self._map_ms: dict[str, tuple[float, float]] = {}  # request id -> (map ms, of them cache writes)
+        self._read_ms: dict[str, dict[str, float]] = {}  # request id -> ms by phase of a load that read the store
         # request id -> prefix tokens from the store, mapped ahead, of them read from memory
         self._stored: dict[str, tuple[int, int, int]] = {}
         self._planned: dict[str, Load] = {}  # allocated this step, sent with the next metadata
@@ -273,7 +300,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._layers: list[tuple[int, Any]] | None = None
         self._heads = slice(None)  # this worker's KV heads of the target (its tensor-parallel share)
         self._failed_blocks: set[int] = set()
-        self._outcomes: dict[str, tuple[str, float, int, str | None, int, int, float]] = {}
+        self._outcomes: dict[str, Outcome] = {}
         self._map_lock = threading.Lock()  # one map at a time: the engine's thread's (sync) or the loader's (async)
         self._loader: ThreadPoolExecutor | None = None  # the asynchronous loads' thread, once one is asked for
         self._pending: dict[str, tuple[Load, Future]] = {}  # request id -> its asynchronous load
@@ -424,7 +451,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._layers
 
     @torch.no_grad()
-    def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool | str = True):
+    def map_prompt(self, token_ids: list[int], salt: str | None = None, use_store: bool | str = True,
+                   phases: dict[str, float] | None = None):
         """``(segments, stored tokens, refusal, premapped tokens, of them from memory)``: post-RoPE target K/V for
         ``token_ids`` as ``(first position, keys, values)`` per run of positions (keys and values per layer, (t, H,
         D)), from the source and the mapper (and the target's recompute of the chosen tokens): what
@@ -435,27 +463,42 @@ class KVBridgeConnector(KVConnectorBase_V1):
         mapped ahead are read, not mapped (a map that recomputes no token and finds all of ``token_ids`` mapped
         ahead reads those entries alone, each block its own segment, held in memory where the prefetch loaded it).
         ``refusal`` says why a store entry was skipped (None: none was); whatever
-        fails with the store's entries, the cold path answers."""
+        fails with the store's entries, the cold path answers. ``phases``: where the time went, added to it in ms
+        (:data:`PHASES`; the read's phases only when a store was consulted)."""
         from ..models import cache_kv
         from ..recompute import Stored
+
+        phases = {} if phases is None else phases
+
+        def mapped(stored=None):  # the map (a source prefill over what was not stored, the mapper, any recompute)
+            started = time.perf_counter()
+            try:
+                return self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+            finally:
+                phases["map"] = phases.get("map", 0.0) + 1000 * (time.perf_counter() - started)
 
         ids = torch.tensor([token_ids], dtype=torch.long)
         tokens, refusal, cache, premapped, hot = 0, None, None, 0, 0
         if use_store and self._lmcache is not None:
+            phases.setdefault("lookup", 0.0)  # (consulted, even when the reader answers at once: backing off)
             try:  # LMCache is an optimization too: a miss, a refused entry or a server down leave the cold path
-                found = self._lmcache.lookup(token_ids, salt, len(token_ids))
+                found = self._lmcache.lookup(token_ids, salt, len(token_ids), phases)
                 tokens, refusal = found.tokens, found.reason
                 if found.tokens:
                     if found.hidden is None and self._bridge.needs_source_state:
                         tokens, refusal = 0, ("LMCache holds the source's K/V, not its hidden states, which this "
                                               "map reads")
                     else:
-                        stored = Stored(found.tokens, found.keys, found.values, found.hidden)
-                        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+                        cache = mapped(Stored(found.tokens, found.keys, found.values, found.hidden))
             except Exception as exc:
                 tokens, cache = 0, None
                 refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         elif use_store and self.config.store:
+            started = time.perf_counter()
+
+            def read_lap():  # the folder's reads (entries found, checked), up to now
+                phases["read"] = phases.get("read", 0.0) + 1000 * (time.perf_counter() - started)
+
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
@@ -482,26 +525,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
                             for k, v, _, _ in ahead.parts:
                                 segments.append((start, k.unbind(0), v.unbind(0)))
                                 start += k.shape[1]
+                            read_lap()
                             return segments, ahead.tokens, None, ahead.tokens, ahead.hot_tokens
                     found = store.lookup(seed, self._identity, token_ids, len(token_ids))
                     tokens, refusal = found.tokens, found.reason or refusal
+                    if found.tokens:  # (the blocks assembled per layer here: the read's time, not the map's)
+                        _ = found.keys, found.values, *((ahead.keys, ahead.values) if ahead and ahead.tokens else ())
+                    read_lap()
                     if found.tokens:
-                        mapped = None
+                        ahead_mapped = None
                         if ahead is not None and ahead.tokens:  # (within the stored source prefix)
                             premapped = min(ahead.tokens, found.tokens)
                             hot = ahead.hot_within(premapped)
-                            mapped = tuple([t[:, :, :premapped] for t in layers]
-                                           for layers in (ahead.keys, ahead.values))
-                        stored = Stored(found.tokens, found.keys, found.values, found.hidden, mapped)
-                        cache = self._bridge.mapped_cache(ids, torch.ones_like(ids), stored=stored)
+                            ahead_mapped = tuple([t[:, :, :premapped] for t in layers]
+                                                 for layers in (ahead.keys, ahead.values))
+                        cache = mapped(Stored(found.tokens, found.keys, found.values, found.hidden, ahead_mapped))
             except Exception as exc:
                 tokens, premapped, hot = 0, 0, 0
                 refusal = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                phases.setdefault("read", 1000 * (time.perf_counter() - started))  # (the store failed reading)
         if cache is None:
-            cache = self._bridge.mapped_cache(ids, torch.ones_like(ids))
+            cache = mapped()
+        started = time.perf_counter()
         keys, values = cache_kv(cache)
-        return ([(0, [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values])], tokens, refusal,
-                premapped, hot)
+        segments = [(0, [k[0].transpose(0, 1) for k in keys], [v[0].transpose(0, 1) for v in values])]
+        phases["map"] = phases.get("map", 0.0) + 1000 * (time.perf_counter() - started)
+        return segments, tokens, refusal, premapped, hot
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -520,7 +569,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._pending[load.request_id] = (load, self._loader.submit(self._load_beside, forward_context, load,
                                                                         ready))
 
-    def _load_beside(self, forward_context, load: Load, ready) -> tuple[str, float, int, str | None, int, int, float]:
+    def _load_beside(self, forward_context, load: Load, ready) -> Outcome:
         """An asynchronous load, in the loader's thread: on a GPU on a side stream, finished before it returns."""
         if ready is None:
             return self._load(forward_context, load)
@@ -531,21 +580,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
         stream.synchronize()  # the blocks are written before the request is reported finished
         return outcome
 
-    def _load(self, forward_context, load: Load) -> tuple[str, float, int, str | None, int, int, float]:
+    def _load(self, forward_context, load: Load) -> Outcome:
         """Map one request's prefix and write it into its blocks: ``(outcome, ms, stored, refused, premapped, hot,
-        write ms)``, outcome ``"mapped"`` or ``"fallback: <reason>"`` (never raises: any failure is a native
-        prefill)."""
+        write ms, ms by phase)`` (:data:`Outcome`), outcome ``"mapped"`` or ``"fallback: <reason>"`` (never raises:
+        any failure is a native prefill)."""
         with self._map_lock:
             started = time.perf_counter()
-            stored, refused, premapped, hot, write_ms = 0, None, 0, 0, 0.0
+            stored, refused, premapped, hot, write_ms, phases = 0, None, 0, 0, 0.0, {}
             try:
-                stored, refused, premapped, hot, write_ms = self._write(forward_context, load)
+                stored, refused, premapped, hot, write_ms = self._write(forward_context, load, phases)
                 status = "mapped"
             except Exception as exc:  # any failure: this request is prefilled natively, the engine goes on
                 status = f"fallback: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            return status, 1000 * (time.perf_counter() - started), stored, refused, premapped, hot, write_ms
+            if not phases.keys() & {"connect", "lookup", "read"}:  # no store consulted: a cold load, not a read
+                phases = {}
+            return status, 1000 * (time.perf_counter() - started), stored, refused, premapped, hot, write_ms, phases
 
-    def _record(self, load: Load, outcome: tuple[str, float, int, str | None, int, int, float]) -> None:
+    def _record(self, load: Load, outcome: Outcome) -> None:
         """A finished load's outcome, for the scheduler; a failed one's blocks reported as failed loads (vLLM
         recomputes them)."""
         status, refused = outcome[0], outcome[3]
@@ -575,15 +626,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:
                 outcome = future.result()
             except BaseException as exc:  # (_load catches every Exception: a thread's own failure, say)
-                outcome = (f"fallback: {type(exc).__name__}: {exc}", 0.0, 0, None, 0, 0, 0.0)
+                outcome = (f"fallback: {type(exc).__name__}: {exc}", 0.0, 0, None, 0, 0, 0.0, {})
             self._record(load, outcome)
             done.add(rid)
         return None, done or None
 
-    def _write(self, forward_context, load: Load) -> tuple[int, str | None, int, int, float]:
+    def _write(self, forward_context, load: Load, phases: dict[str, float]) -> tuple[int, str | None, int, int, float]:
         layers = self._attention_layers(forward_context)
         segments, stored, refused, premapped, hot = self.map_prompt(load.token_ids[:load.end], load.salt,
-                                                                    load.use_store)
+                                                                    load.use_store, phases=phases)
         pos = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         every = blocks[pos // self.block_size] * self.block_size + pos % self.block_size  # slot of each position
@@ -600,7 +651,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 k, v = (x[lo - first:hi - first, self._heads].to(kv_cache.device, kv_cache.dtype).contiguous()
                         for x in (keys[index], values[index]))
                 layer.impl.do_kv_cache_update(layer, k, v, kv_cache, slots)
-        return stored, refused, premapped, hot, 1000 * (time.perf_counter() - started)
+        write_ms = 1000 * (time.perf_counter() - started)
+        phases["write"] = phases.get("write", 0.0) + write_ms
+        return stored, refused, premapped, hot, write_ms
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if self._clock is not None and not getattr(connector_metadata, "idle", False):  # (an empty step: quiet)
@@ -738,8 +791,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        for rid, (status, ms, stored, refused, premapped, hot, write_ms) in getattr(meta, "outcomes", {}).items():
+        for rid, (status, ms, stored, refused, premapped, hot, write_ms, phases) in \
+                getattr(meta, "outcomes", {}).items():
             self._stats.data["map_ms"] += ms
+            for phase, phase_ms in phases.items():
+                self._stats.data[f"read_{phase}_ms"] = self._stats.data.get(f"read_{phase}_ms", 0.0) + phase_ms
             self._stats.data["write_ms"] += write_ms
             self._stats.data["stored_tokens"] += stored
             self._stats.data["premapped_tokens"] += premapped
@@ -750,13 +806,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if rid in self._status:  # (a one-token request may have finished in the step that mapped it)
                 self._status[rid] = status
                 self._map_ms[rid] = (ms, write_ms)
+                if phases:
+                    self._read_ms[rid] = phases
                 self._stored[rid] = (stored, premapped, hot)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         status = self._status.pop(rid, None)  # None: never allocated (aborted while queued): not counted
         tokens, ms, stored = self._tokens.pop(rid, 0), self._map_ms.pop(rid, None), self._stored.pop(rid, None)
-        refused = self._refusals.pop(rid, None)
+        refused, read_ms = self._refusals.pop(rid, None), self._read_ms.pop(rid, None)
         for state in (self._planned, self._decided, self._counted):
             state.pop(rid, None)
         if status is None:
@@ -772,6 +830,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 params["kvbridge_store_refused"] = refused
         if ms is not None:
             params["kvbridge_map_ms"], params["kvbridge_write_ms"] = round(ms[0], 2), round(ms[1], 2)
+        if read_ms is not None:  # the load read a stored prefix: its time by phase
+            params["kvbridge_read_ms"] = {p: round(read_ms[p], 2) for p in PHASES if p in read_ms}
         return False, params
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -42,6 +42,7 @@ MAX_ABS = 65504.0  # beyond float16's range: no model's K/V, a corrupted or host
 DEFAULT_MAX_TOKENS = 4096  # the longest stored prefix one retrieve reads (the registered pages' capacity)
 DEFAULT_CHUNK = 256  # LMCache's chunk size for a server kvbridge starts (a multiple of the engines' block size)
 LAYOUTS = ("cpu/vec/float32",)  # the source page layouts decode_pages reads
+READ_PHASES = ("connect", "lookup", "retrieve", "decode", "check")  # LMCacheSource.lookup's time, by phase
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -259,38 +260,53 @@ class LMCacheSource:
             self._release(rid, ids, salt or "", hit if isinstance(hit, int) else 0)
             return min(hit, limit) if isinstance(hit, int) else 0
 
-    def lookup(self, ids: list[int], salt: str | None, limit: int) -> Found:
+    def lookup(self, ids: list[int], salt: str | None, limit: int, phases: dict[str, float] | None = None) -> Found:
         """The longest stored prefix of ``ids`` within its first ``limit`` tokens (whole LMCache chunks), decoded
         and checked: a :class:`Found` (``tokens`` 0 on a miss; ``reason`` says why nothing could be used when
-        something failed)."""
-        started = time.perf_counter()
+        something failed). ``phases``: where the time went, added to it in ms (:data:`READ_PHASES`: ``connect``
+        when this read dialed the server, ``lookup``, ``retrieve``, ``decode`` of the page layout, ``check`` of the
+        values' range)."""
+        phases = {} if phases is None else phases
+
+        def lap(phase: str, since: float) -> float:
+            now = time.perf_counter()
+            phases[phase] = phases.get(phase, 0.0) + 1000 * (now - since)
+            return now
+
         with self._lock:
+            idle, backoff, started = self._scheduler is None, self._down_until, time.perf_counter()
             reason = self._ready()
+            if idle and (self._scheduler is not None or self._down_until != backoff):  # it dialed (a first read, a
+                started = lap("connect", started)  # retry after a failure), whether or not the server answered
             if reason is not None:
                 return Found(0, refused=1, reason=reason)
             rid = f"kvbridge-read-{os.getpid()}-{next(self._ids)}"
             ids, salt = list(ids[:min(limit, self.max_tokens)]), salt or ""
             hit = self._lookup(rid, ids, salt)
+            started = lap("lookup", started)
             if isinstance(hit, str):
                 return Found(0, refused=1, reason=hit)
-            self.last_lookup_ms = 1000 * (time.perf_counter() - started)
             if hit == 0:
                 self._release(rid, ids, salt, 0)
                 return Found(0)
-            got = self._retrieve(rid, ids, salt, hit)
+            got = self._retrieve(rid, ids, salt, hit, lap)
             if isinstance(got, str):
                 return Found(0, refused=1, reason=got)
         keys, values = got
         n = min(hit, limit)
+        started = time.perf_counter()
         bad = out_of_range((keys, values))
+        lap("check", started)
         if bad is not None:
             return Found(0, refused=1, reason=f"LMCache entry refused: {bad}")
-        self.last_read_ms = 1000 * (time.perf_counter() - started)
         return Found(n, parts=[(keys[:, :n], values[:, :n], None, False)])
 
-    def _retrieve(self, rid: str, ids: list[int], salt: str, hit: int) -> tuple[torch.Tensor, torch.Tensor] | str:
+    def _retrieve(self, rid: str, ids: list[int], salt: str, hit: int, lap) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """The ``hit`` stored tokens' K/V, retrieved into the registered pages and decoded (``lap(phase, since)``
+        counts each phase's time and returns now), or a reason."""
         from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 
+        started = time.perf_counter()
         worker = self._worker
         blocks = hit // self.block_size
         for p in self._pages:  # (a retrieve that writes less than it says must not leave another request's K/V)
@@ -310,9 +326,11 @@ class LMCacheSource:
             failed = worker.get_failed_request_ids()
         finally:
             self._release(rid, ids, salt, 0)
+        started = lap("retrieve", started)
         if rid in failed:
             return "LMCache could not retrieve the stored chunks"
         keys, values = decode_pages(self._pages, blocks, hit, self.layout)
+        lap("decode", started)
         return keys, values
 
 
