@@ -142,6 +142,7 @@ def test_an_escalated_conversation_is_mapped_from_the_sources_stored_kv(servers,
     status = warm.kv_transfer_params
     assert status["kvbridge"] == "mapped" and status["kvbridge_stored_tokens"] >= 128, status
     assert status["kvbridge_premapped_tokens"] == status["kvbridge_stored_tokens"], status  # read, not mapped
+    assert {"read", "write"} <= set(status["kvbridge_read_ms"]) <= {"read", "map", "write"}, status  # (by phase)
     # the stored history is loaded, the new turn is the target's: the cold path's answer with that much held back
     # (mapped_tokens: what the connector loaded beyond the engine's own prefix-cache hit on the first turn's blocks)
     assert status["kvbridge_mapped_tokens"] <= status["kvbridge_stored_tokens"] < warm.usage.prompt_tokens - 2
@@ -201,6 +202,60 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     assert row["prewarm_landed"] == 1.0 and row["prewarmed_equals_warm"] == 1.0, row
     assert conversation["prewarmed_cached_tokens"] >= 256 and row["prewarmed_cached_fraction"] > 0.5, conversation
     assert "Prewarmed (the source asked" in cascade_table(report)
+
+
+def test_the_escalation_benchmark_through_lmcache(servers, family_fast_mapper, tmp_path):
+    """`kvbridge cascade-bench` with the lmcache way, run by the command line against the running folder pair and a
+    second pair sharing an LMCache server (tiny: two conversations, 4 tokens each): every escalated answer through
+    LMCache is the cold path's at the same split, the stored chunks were read (not mapped from a source prefill),
+    where the loads' time went is reported by phase, LMCache minus folder is paired per conversation, and the report
+    tables again from its file."""
+    try:
+        import lmcache  # noqa: F401
+    except Exception as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"lmcache does not import: {exc}")
+    from kvbridge.cli import main
+    from kvbridge.serving.cascade import launched_pair
+    from kvbridge.serving.lmcache_store import start_server, stop_server
+
+    with open(tmp_path / "lmcache.log", "w") as log:
+        process, url = start_server("127.0.0.1", l1_gb=0.25, log=log)
+        try:
+            target = ["--mapper", family_fast_mapper, "--lmcache", url, "--max-model-len", "2048", "--max-num-seqs",
+                      "8"]
+            with launched_pair(["--lmcache", url, "--max-num-seqs", "8"], target, tmp_path, STARTUP_S) as pair:
+                out = tmp_path / "cascade.json"
+                assert main(["cascade-bench", "--source-url", servers[0], "--target-url", servers[1],
+                             "--lmcache-source-url", pair[0], "--lmcache-target-url", pair[1], "--histories", "400",
+                             "--conversations", "2", "--warmup", "0", "--new-tokens", "4", "--json", str(out)]) == 0
+        finally:
+            stop_server(process)
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    conversations = report["conversations"]["400"]
+    # the cold path's answer at the lmcache way's split, in both conversations: LMCache's K/V are the source's
+    assert row["lmcache_equal_cold"] == 2 and row["lmcache_equals_cold"] == 1.0, row
+    for c in conversations:
+        assert c["lmcache"]["tokens"] == c["lmcache_cold"]["tokens"] and len(c["lmcache"]["tokens"]) == 4, c
+        # one whole chunk (256 tokens) of the ~400-token history read from LMCache, the rest the target's
+        assert c["lmcache_stored_tokens"] == c["lmcache_loaded_tokens"] == 256, c
+        read = c["lmcache_read_ms"]  # (/metrics; connect: the target connector's first read dialed the server)
+        assert set(read) - {"connect"} == {"lookup", "retrieve", "decode", "check", "map", "write"}, read
+        assert {"read", "write"} <= set(c["folder_read_ms"]) <= {"read", "map", "write"}, c["folder_read_ms"]
+    assert "connect" in conversations[0]["lmcache_read_ms"] and "connect" not in conversations[1]["lmcache_read_ms"]
+    assert row["lmcache_ttft_ms"] > 0 and row["lmcache_speedup"] == row["native_ttft_ms"] / row["lmcache_ttft_ms"]
+    assert row["lmcache_stored_fraction"] > 0.5 and row["lmcache_connector_ms"] > 0, row
+    paired = report["per_conversation"]["400"]
+    diffs = [c["lmcache"]["ttft_ms"] - c["folder"]["ttft_ms"] for c in conversations]
+    assert paired["lmcache_minus_folder_mean_ms"] == pytest.approx(sum(diffs) / 2)
+    assert paired["lmcache_minus_folder_interval"][0] <= paired["lmcache_minus_folder_ms"]
+    assert set(paired["read_ms"]) >= {"lmcache", "folder", "warm"}, paired["read_ms"]
+    table = out.with_suffix(".md").read_text()
+    assert "Through LMCache" in table and "| 2/2 |" in table and "| 400 | LMCache | " in table, table
+    out.with_suffix(".md").unlink()
+    assert main(["cascade-bench", "--table", str(out)]) == 0 and out.with_suffix(".md").read_text() == table
 
 
 def test_the_engine_benchmark_reports_the_connector_and_the_ceiling(server):

@@ -21,6 +21,12 @@ waits for that load) — each on a stored copy of its own of the
 conversation, with each request's time to its first streamed token, and the escalated answers compared token by
 token. The native request sent again finds the whole history in the target's own prefix cache: the time to first
 token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this engine.
+
+``--lmcache`` adds an eighth way through a second pair (``kvbridge cascade --lmcache``): its source serves each
+conversation's turns too, storing through vLLM's ``LMCacheMPConnector``, and its target escalates the turn reading
+the stored chunks from LMCache (as warm: the same native rest) — its answer compared with the cold path's at the same
+split (an untimed request holding back what the way left to the target), its TTFT paired with the folder way's, and
+the connector's time by phase (``vllm:kvbridge_read_seconds_total{phase}``) for every way that read a stored prefix.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import KVBridgeError
-from .bench import CACHE_HITS, MAP_SECONDS, metric
+from .bench import CACHE_HITS, MAP_SECONDS, metric, parse_metrics
 from .config import PREWARM
 
 WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
@@ -47,6 +53,12 @@ STORED = "vllm:kvbridge_stored_tokens_total"
 PREMAPPED = "vllm:kvbridge_premapped_tokens_total"
 HOT = "vllm:kvbridge_hot_tokens_total"
 WRITE_SECONDS = "vllm:kvbridge_write_seconds_total"  # of them, writing into the engine's paged cache
+READ_SECONDS = "vllm:kvbridge_read_seconds_total"  # the loads that read a stored prefix, by phase
+LOADED = "vllm:prompt_tokens_by_source_total|external_kv_transfer"  # prompt tokens the connector loaded
+HITS = "vllm:prompt_tokens_by_source_total|local_cache_hit"  # prompt tokens found in the engine's prefix cache
+LMCACHE = "lmcache"  # the way through a second pair whose source stores through LMCache (cascade-bench --lmcache)
+# the connector's phases (kvbridge.serving.connector.PHASES; not imported: that module imports vLLM)
+PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
 
 
 @dataclass
@@ -103,6 +115,16 @@ class CascadeRow:
     prewarm_landed: float | None = None  # share of conversations the target had prewarmed before the switch
     prewarm_wait_ms: float | None = None  # median time from the source's answer until the target's /metrics counted
     # the prewarm: an upper bound (vLLM's counters lag; the server's log says when each prewarm ended)
+    # lmcache (cascade-bench --lmcache): warm through a second pair, its source storing through LMCache, its target
+    # reading it (the same conversations, the same --native-rest), in the same random order as the other ways
+    lmcache_ttft_ms: float | None = None
+    lmcache_speedup: float | None = None  # native ÷ lmcache
+    lmcache_connector_ms: float | None = None
+    lmcache_stored_fraction: float | None = None  # median share of the escalated prompt read from LMCache
+    lmcache_equal_cold: int | None = None  # conversations whose answer is the cold path's at the way's split
+    lmcache_equals_cold: float | None = None  # (the same, as a share)
+    lmcache_equals_folder: float | None = None  # share of conversations whose answer is the folder way's
+    lmcache_token_agreement: float | None = None  # with native
 
 
 def default_store() -> str:
@@ -199,10 +221,52 @@ async def _source_turn(source, source_model, baseline, baseline_model, messages,
     return out["storing"][1]
 
 
+def counters(url: str) -> dict[str, float]:
+    """Every counter at ``url``/metrics in one scrape: by name, summed over its label sets, and by name and the value
+    of its ``phase`` or ``source`` label (``name|value``)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            samples = parse_metrics(response.read().decode())
+    except OSError as exc:  # (urllib's errors are OSErrors)
+        raise KVBridgeError(f"{url}/metrics: the server's counters could not be read ({exc}); is the server still "
+                            "running? Its log says why it stopped.") from None
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        out[name] = out.get(name, 0.0) + value
+        for label in ("phase", "source"):
+            if label in labels:
+                key = f"{name}|{labels[label]}"
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
+async def _settled(url: str, before: dict[str, float], timeout_s: float = 5.0) -> dict[str, float]:
+    """The server's counters once its connector has counted one more finished request (what the connector did for a
+    request is published with its outcome; the stream may end before), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = await asyncio.to_thread(counters, url)
+        if after.get(REQUESTS, 0.0) > before.get(REQUESTS, 0.0) or time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(0.01)
+
+
+def _read_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """ms by phase (:data:`kvbridge.serving.connector.PHASES`) of the connector's store reads between two scrapes."""
+    out = {}
+    for key, value in after.items():
+        if key.startswith(READ_SECONDS + "|") and value > before.get(key, 0.0):
+            out[key.split("|", 1)[1]] = 1000 * (value - before.get(key, 0.0))
+    return out
+
+
 async def _escalations(source_url, source_model, target_url, target_model, texts, warmup, new_tokens, native_rest,
-                       progress, baseline_url=None, baseline_model=None):
-    """Per conversation: the source's two turns (to the baseline too, if any), then the escalated turn each way
-    (a seeded random order per conversation)."""
+                       progress, baseline_url=None, baseline_model=None, lmcache=None):
+    """Per conversation: the source's two turns (to the baseline too, if any; to the LMCache pair's source too, if
+    any), then the escalated turn each way (a seeded random order per conversation). ``lmcache``: (source URL,
+    source model, target URL, target model) of a second pair sharing an LMCache server: the lmcache way."""
     from openai import AsyncOpenAI
 
     def client(url):
@@ -210,6 +274,8 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
 
     source, target = client(source_url), client(target_url)
     baseline = client(baseline_url) if baseline_url else None
+    lm_source, lm_target = (client(lmcache[0]), client(lmcache[2])) if lmcache else (None, None)
+    all_ways = WAYS + ((LMCACHE,) if lmcache else ())
     results = []
     try:
         for i, (first, second, question) in enumerate(texts):
@@ -217,8 +283,12 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             turns: list[dict] = []
             messages = [{"role": "user", "content": first}]
             answer = await _source_turn(source, source_model, baseline, baseline_model, messages, salt, i, turns)
+            if lmcache:  # the LMCache pair's source serves the same turn (it stores through LMCache as it answers)
+                await _turn(lm_source, lmcache[1], messages, ANSWER_TOKENS, None, f"{salt}-{LMCACHE}")
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
             answer = await _source_turn(source, source_model, baseline, baseline_model, messages, salt, i + 1, turns)
+            if lmcache:
+                await _turn(lm_source, lmcache[1], messages, ANSWER_TOKENS, None, f"{salt}-{LMCACHE}")
             # the same turn under other salts (greedy: the same answer), so that the conversation is stored again
             # for each way that reads a copy of its own (one salt would make it a prefix-cache hit)
             for way in COPIES:
@@ -239,46 +309,66 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             await asyncio.sleep(SETTLE_S)
             # an order of its own per conversation (seeded): drift, caches and the stalls of a shared machine hit every
             # way alike, and no way always follows the same one (a rotation keeps warm right after native)
-            ways = random.Random(i).sample(WAYS, len(WAYS))
+            ways = random.Random(i).sample(all_ways, len(all_ways))
             row = {}
             for way in ways:
                 params = {"kvbridge": "native" if way == "native" else "mapped",
                           "kvbridge_store": {"warm": True, "folder": "folder", "whole": True, "remap": "source",
-                                             "prewarmed": True}.get(way, False),
+                                             "prewarmed": True, LMCACHE: True}.get(way, False),
                           "kvbridge_native_rest": 0 if way == "whole" else native_rest}
-                before = {m: await asyncio.to_thread(metric, target_url, m)
-                          for m in (STORED, PREMAPPED, HOT, MAP_SECONDS, WRITE_SECONDS, CACHE_HITS)}
+                # the lmcache way is the second pair's target, reading what its source stored through LMCache
+                way_client, way_model, way_url = (lm_target, lmcache[3], lmcache[2]) if way == LMCACHE else \
+                    (target, target_model, target_url)
+                before = await asyncio.to_thread(counters, way_url)
                 # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
                 # the others keep their own so that no way reads another's blocks from the target's prefix cache
-                ttft, _, tokens, _ = await _turn(target, target_model, messages, new_tokens, params,
+                ttft, _, tokens, _ = await _turn(way_client, way_model, messages, new_tokens, params,
                                                  salt if way == "warm" else f"{salt}-{way}")
                 row[way] = (ttft, tokens)
                 # streamed responses carry no kv_transfer_params: the server's counters say what the connector did
-                for name, counter in (("connector", MAP_SECONDS), ("write", WRITE_SECONDS)):
-                    row[f"{way}_{name}_ms"] = 1000 * (await asyncio.to_thread(metric, target_url, counter)
-                                                      - before[counter])
+                after = await _settled(way_url, before)
+                delta = {m: after.get(m, 0.0) - before.get(m, 0.0) for m in after}
+                row[f"{way}_connector_ms"] = 1000 * delta.get(MAP_SECONDS, 0.0)
+                row[f"{way}_write_ms"] = 1000 * delta.get(WRITE_SECONDS, 0.0)
+                phases = _read_phases(before, after)
+                if phases:  # (the ways that read a stored prefix: kvbridge_read_ms, from /metrics)
+                    row[f"{way}_read_ms"] = phases
                 if way == "native":  # the same request again: the history is in the target's prefix cache
                     row["cached_ms"] = (await _turn(target, target_model, messages, new_tokens, params,
                                                     f"{salt}-native"))[0]
                 if way == "prewarmed":  # what the engine found in its prefix cache (the connector loaded the rest)
-                    row["prewarmed_cached_tokens"] = await asyncio.to_thread(metric, target_url, CACHE_HITS) - \
-                        before[CACHE_HITS]
+                    row["prewarmed_cached_tokens"] = delta.get(CACHE_HITS, 0.0)
                 if way == "warm":
-                    row["stored_tokens"] = await asyncio.to_thread(metric, target_url, STORED) - before[STORED]
-                    row["premapped_tokens"] = await asyncio.to_thread(metric, target_url, PREMAPPED) - before[PREMAPPED]
-                    row["hot_tokens"] = await asyncio.to_thread(metric, target_url, HOT) - before[HOT]
+                    row["stored_tokens"] = delta.get(STORED, 0.0)
+                    row["premapped_tokens"] = delta.get(PREMAPPED, 0.0)
+                    row["hot_tokens"] = delta.get(HOT, 0.0)
                     row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
+                if way == LMCACHE:
+                    row["lmcache_stored_tokens"] = delta.get(STORED, 0.0)
+                    # the prefix the target did not compute (loaded by the connector, or a prefix-cache hit)
+                    row["lmcache_loaded_tokens"] = delta.get(LOADED, 0.0) + delta.get(HITS, 0.0)
+            if lmcache:
+                # the cold path at the lmcache way's split (untimed): a fresh source prefill of the prefix the way
+                # loaded, mapped, the rest computed by the target — what the way must answer, if LMCache's K/V are
+                # the source's (the cold way holds back only the server's hold-back)
+                rest = row["prompt_tokens"] - int(row["lmcache_loaded_tokens"])
+                cold = {"kvbridge": "mapped", "kvbridge_store": False}
+                if row["lmcache_loaded_tokens"] and rest >= 1:
+                    cold["kvbridge_hold_back"] = rest
+                row["lmcache_cold"] = (await _turn(lm_target, lmcache[3], messages, new_tokens, cold,
+                                                   f"{salt}-{LMCACHE}-cold"))[2]
             row["source_turns"] = turns
             row.update(prewarm)
             if i >= warmup:
                 results.append(row)
+            also = f", LMCache {row[LMCACHE][0]:.1f} ms" if lmcache else ""
             progress(f"conversation {i + 1}/{len(texts)}: native {row['native'][0]:.1f} ms, warm "
-                     f"{row['warm'][0]:.1f} ms (from the folder {row['folder'][0]:.1f} ms), all mapped "
+                     f"{row['warm'][0]:.1f} ms (from the folder {row['folder'][0]:.1f} ms{also}), all mapped "
                      f"{row['whole'][0]:.1f} ms, mapped at the switch "
                      f"{row['remap'][0]:.1f} ms, cold {row['cold'][0]:.1f} ms, prewarmed "
                      f"{row['prewarmed'][0]:.1f} ms")
     finally:
-        for c in (source, target, baseline):
+        for c in (source, target, baseline, lm_source, lm_target):
             if c is not None:
                 await c.close()
     return results
@@ -333,18 +423,20 @@ def _source_cost(results: list[dict]) -> dict:
 def run_cascade_bench(source_url: str, source_model: str, target_url: str, target_model: str, tokenizer,
                       histories: list[int], conversations: int, warmup: int = 2, new_tokens: int = 16,
                       native_rest: int = 256, question_tokens: int = 24, progress=print,
-                      baseline_url: str | None = None, baseline_model: str | None = None) -> dict:
+                      baseline_url: str | None = None, baseline_model: str | None = None,
+                      lmcache: tuple[str, str, str, str] | None = None) -> dict:
     """Every row of the escalation benchmark against two running servers; ``native_rest``: the warm ways' (the most
     tokens after the stored prefix the target computes itself); ``question_tokens``: the escalated turn's new user
     message; ``baseline_url``: the source served without a store, which answers each source turn too (what storing
-    costs the source's own requests)."""
+    costs the source's own requests); ``lmcache``: (source URL, source model, target URL, target model) of a second
+    pair sharing an LMCache server (`kvbridge cascade --lmcache`): the lmcache way."""
     rows, raw = [], {}
     started = time.perf_counter()
     floor = asyncio.run(_floor(target_url, target_model))
     for h in histories:
         texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h, question_tokens=question_tokens)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
-                                           new_tokens, native_rest, progress, baseline_url, baseline_model))
+                                           new_tokens, native_rest, progress, baseline_url, baseline_model, lmcache))
         native = [r["native"][1] for r in results]
         med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
         med["cached"] = statistics.median(r["cached_ms"] for r in results)
@@ -387,12 +479,18 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
             prewarmed_cached_fraction=statistics.median(r["prewarmed_cached_tokens"] / t
                                                         for r, t in zip(results, lengths)),
             prewarm_landed=sum(r["prewarm_landed"] for r in results) / n,
-            prewarm_wait_ms=statistics.median(r["prewarm_wait_ms"] for r in results), **_source_cost(results)))
-        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in WAYS} | {"cached_ttft_ms": r["cached_ms"]} |
+            prewarm_wait_ms=statistics.median(r["prewarm_wait_ms"] for r in results), **_source_cost(results),
+            **(_lmcache_figures(results, lengths, med["native"]) if lmcache else {})))
+        ways = WAYS + ((LMCACHE,) if lmcache else ())
+        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in ways} | {"cached_ttft_ms": r["cached_ms"]} |
                        {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens",
                                           "prewarmed_cached_tokens", "prewarm_landed", "prewarm_wait_ms")} |
-                       {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in WAYS if w != "native"
+                       {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in ways if w != "native"
                         for name in ("connector", "write")} |
+                       {f"{w}_read_ms": r[f"{w}_read_ms"] for w in ways if f"{w}_read_ms" in r} |
+                       ({"lmcache_cold": {"tokens": r["lmcache_cold"]}, "lmcache_stored_tokens":
+                         r["lmcache_stored_tokens"], "lmcache_loaded_tokens": r["lmcache_loaded_tokens"]}
+                        if lmcache else {}) |
                        ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
                        for r in results]
     report = {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
@@ -400,7 +498,23 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
               "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
               "new_tokens": new_tokens, "answer_tokens": ANSWER_TOKENS, "seconds": time.perf_counter() - started,
               "rows": [asdict(r) for r in rows], "conversations": raw}
+    if lmcache:
+        report |= {"lmcache_source_url": lmcache[0], "lmcache_target_url": lmcache[2]}
     return report | {"per_conversation": per_conversation(report)}
+
+
+def _lmcache_figures(results: list[dict], lengths: list[int], native_ms: float) -> dict:
+    """The lmcache way's fields of a row (:class:`CascadeRow`'s ``lmcache_*``)."""
+    n = len(results)
+    ttft = statistics.median(r[LMCACHE][0] for r in results)
+    equal = sum(bool(r[LMCACHE][1]) and r[LMCACHE][1] == r["lmcache_cold"] for r in results)
+    return dict(lmcache_ttft_ms=ttft, lmcache_speedup=native_ms / ttft,
+                lmcache_connector_ms=statistics.median(r["lmcache_connector_ms"] for r in results),
+                lmcache_stored_fraction=statistics.median(r["lmcache_stored_tokens"] / t
+                                                          for r, t in zip(results, lengths)),
+                lmcache_equal_cold=equal, lmcache_equals_cold=equal / n,
+                lmcache_equals_folder=sum(r[LMCACHE][1] == r["folder"][1] for r in results) / n,
+                lmcache_token_agreement=statistics.mean(_agreement(r[LMCACHE][1], r["native"][1]) for r in results))
 
 
 def resampled_interval(values: list[float], replicates: int = 2000, seed: int = 0,
@@ -412,7 +526,8 @@ def resampled_interval(values: list[float], replicates: int = 2000, seed: int = 
     return percentile_interval([statistic(rng.choices(values, k=len(values))) for _ in range(replicates)])
 
 
-SHORT = ("warm", "folder", "whole", "remap", "prewarmed", "cached")  # the ways whose turns skip most of the prefill
+# the ways whose turns skip most of the prefill
+SHORT = ("warm", "folder", "whole", "remap", "prewarmed", LMCACHE, "cached")
 
 
 def _ttft(row: dict, way: str) -> float:
@@ -425,10 +540,18 @@ def per_conversation(report: dict) -> dict:
     conversation (median and its 95 % bootstrap interval; files from before the folder way have none), and the
     stalls — turns of the short ways and the ceiling that took more than twice their way's median: their share,
     pooled, and the most any took beyond its median; the connector's median time writing into the engine's cache per
-    way (reports from before have none)."""
+    way (reports from before have none); with the lmcache way, its TTFT minus the folder way's, paired (median and
+    mean, each with its interval), and per way that read a stored prefix the median time of each phase of its loads
+    (``kvbridge_read_ms``, from /metrics)."""
     out = {}
     for h, rows in report["conversations"].items():
         entry = {}
+        if rows and LMCACHE in rows[0]:  # LMCache against today's warm way through the folder store
+            paired = [r[LMCACHE]["ttft_ms"] - r["folder"]["ttft_ms"] for r in rows]
+            entry["lmcache_minus_folder_ms"] = statistics.median(paired)
+            entry["lmcache_minus_folder_interval"] = resampled_interval(paired)
+            entry["lmcache_minus_folder_mean_ms"] = statistics.mean(paired)
+            entry["lmcache_minus_folder_mean_interval"] = resampled_interval(paired, statistic=statistics.mean)
         for way in ("folder", "prewarmed"):
             if rows and way in rows[0]:
                 paired = [r[way]["ttft_ms"] - r["warm"]["ttft_ms"] for r in rows]
@@ -436,7 +559,7 @@ def per_conversation(report: dict) -> dict:
                 entry[f"{way}_minus_warm_interval"] = resampled_interval(paired)
         # native ÷ each short way, conversation by conversation (native and the way a few seconds apart: the drift
         # of a shared machine's speed over the run cancels; the medians' ratio in the table does not pair them)
-        for way in ("warm", "prewarmed", "cached"):
+        for way in ("warm", "prewarmed", LMCACHE, "cached"):
             if rows and (way == "cached" or way in rows[0]):
                 ratios = [r["native"]["ttft_ms"] / _ttft(r, way) for r in rows]
                 entry[f"{way}_paired_speedup"] = statistics.median(ratios)
@@ -460,6 +583,13 @@ def per_conversation(report: dict) -> dict:
                   if rows and f"{w}_write_ms" in rows[0]}
         if writes:
             entry["write_ms"] = writes
+        reads = {}
+        for w in (w for w in WAYS + (LMCACHE,) if any(f"{w}_read_ms" in r for r in rows)):
+            phases = {p for r in rows for p in r.get(f"{w}_read_ms", {})}
+            reads[w] = {p: statistics.median(r.get(f"{w}_read_ms", {}).get(p, 0.0) for r in rows)
+                        for p in PHASES if p in phases}
+        if reads:
+            entry["read_ms"] = reads
         out[h] = entry
     return out
 
@@ -532,6 +662,7 @@ def cascade_table(report: dict) -> str:
         lines += ["", "Of the connector's time, writing into the engine's paged cache (its own cache-update op; "
                   "median): " + "; ".join(f"history {h} " + ", ".join(f"{w} {ms:.1f} ms" for w, ms in e.items())
                               for h, e in writes.items())]
+    lines += _lmcache_lines(report, extra)
     measured = [r for r in report["rows"] if r.get("source_ttft_ratio") is not None]
     if measured:
         lines += ["", "The source's own turns, served storing its K/V (and mapping them ahead, if on) vs. without a "
@@ -543,6 +674,57 @@ def cascade_table(report: dict) -> str:
                          f"{r['source_storing_answer_ms']:.0f} / {r['source_baseline_answer_ms']:.0f} ms "
                          f"({r['source_answer_ratio']:.2f}×) | {r['source_answers_equal']:.0%} |")
     return "\n".join(lines)
+
+
+READ_NAMES = {"warm": "warm (from memory)", "folder": "warm, from the folder", "whole": "warm, all mapped",
+              "remap": "mapped at the switch", "prewarmed": "prewarmed", LMCACHE: "LMCache"}
+
+
+def _lmcache_lines(report: dict, extra: dict) -> list[str]:
+    """The lmcache way's table (reports without it: none) and, per way that read a stored prefix, where its loads'
+    time went."""
+    lines = []
+    rows = [(r, h) for r, h in zip(report["rows"], report["conversations"]) if r.get("lmcache_ttft_ms") is not None]
+    if rows:
+        lines += ["", "Through LMCache: a second pair, its source storing through vLLM's LMCacheMPConnector into an "
+                  "LMCache server, its target reading from there (the same conversations, the lmcache way in the "
+                  "same random order as the others, the same native rest), beside today's warm ways through the "
+                  "folder store. Its answers are compared with the cold path's at the same split (a fresh source "
+                  "prefill of the prefix the way loaded, the rest computed by the target):", "",
+                  "| History tokens | Native TTFT | Warm (from memory) | Warm, from the folder | **LMCache** | Cold | "
+                  "LMCache − folder, paired: median [95 %]; mean [95 %] | Prefix read: folder / LMCache | "
+                  "Connector: folder / LMCache | LMCache answers = cold's at its split | = the folder way's |",
+                  "|" + "---:|" * 11]
+        for r, h in rows:
+            e = extra.get(h, {})
+
+            def way(name: str) -> str:
+                return f"{r[name + '_ttft_ms']:.1f} ms ({r[name + '_speedup']:.2f}×)"
+
+            diff = "—"
+            if "lmcache_minus_folder_ms" in e:
+                lo, hi = e["lmcache_minus_folder_interval"]
+                mlo, mhi = e["lmcache_minus_folder_mean_interval"]
+                diff = (f"{e['lmcache_minus_folder_ms']:+.1f} ms [{lo:+.1f}, {hi:+.1f}]; "
+                        f"{e['lmcache_minus_folder_mean_ms']:+.1f} ms [{mlo:+.1f}, {mhi:+.1f}]")
+            lines.append(f"| {r['history_tokens']:,} | {r['native_ttft_ms']:.1f} ms | {way('warm')} | {way('folder')} "
+                         f"| **{way('lmcache')}** | {way('cold')} | {diff} | {r['stored_fraction']:.0%} / "
+                         f"{r['lmcache_stored_fraction']:.0%} | {r['folder_connector_ms']:.1f} / "
+                         f"{r['lmcache_connector_ms']:.1f} ms | {r['lmcache_equal_cold']}/{r['conversations']} | "
+                         f"{r['lmcache_equals_folder']:.0%} |")
+    reads = {h: e["read_ms"] for h, e in extra.items() if e.get("read_ms")}
+    if reads:
+        phases = [p for p in PHASES if any(p in ph for ways in reads.values() for ph in ways.values())]
+        lines += ["", "Where the loads that read a stored prefix spent their time (median ms per phase over the "
+                  "conversations, from the target's vllm:kvbridge_read_seconds_total{phase}: what a non-streamed "
+                  "response carries as kvbridge_read_ms):", "",
+                  "| History tokens | Way | " + " | ".join(phases) + " | Sum |",
+                  "|---:|---|" + "---:|" * (len(phases) + 1)]
+        for h, ways in reads.items():
+            for w, ph in ways.items():
+                lines.append(f"| {h} | {READ_NAMES.get(w, w)} | " + " | ".join(
+                    f"{ph[p]:.1f}" if p in ph else "–" for p in phases) + f" | {sum(ph.values()):.1f} |")
+    return lines
 
 
 def write_cascade(report: dict, json_path: str) -> None:

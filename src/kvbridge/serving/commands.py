@@ -92,22 +92,28 @@ def add_prewarm(p) -> None:
                         "{\"kvbridge_prewarm\": true}; each costs the target one short request)")
 
 
-def add_lmcache(p, owner: bool) -> None:
-    """``--lmcache`` (and, where the command can start a server of its own, its tiers)."""
-    g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of a "
-                             "store folder)")
-    if owner:
+def add_lmcache(p, owner: bool, bench: bool = False) -> None:
+    """``--lmcache`` (and, where the command can start a server of its own, its tiers; ``bench``: cascade-bench's,
+    a second pair beside the folder's, started or running)."""
+    if bench:
+        g = p.add_argument_group("LMCache (a second pair beside the folder's: its source stores its K/V in an LMCache "
+                                 "server, its target reads them from there: the lmcache way)")
+        g.add_argument("--lmcache", metavar="URL|auto",
+                       help="also start `kvbridge cascade --lmcache`'s pair, sharing the LMCache server at "
+                            "tcp://HOST:PORT or one this command starts and stops (auto); each conversation's source "
+                            "turns go to its source too, and the escalated turn to its target as one more way in the "
+                            "random order: its TTFT, its answer against the cold path's at the same split, LMCache "
+                            "minus folder paired per conversation, and where its loads' time went")
+    elif owner:
+        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
+                                 "a store folder)")
         g.add_argument("--lmcache", metavar="URL|auto",
                        help="the source engine stores its K/V through vLLM's LMCacheMPConnector in the LMCache server "
                             "at tcp://HOST:PORT, or in one this command starts and stops (auto); the store folder, "
                             "map-ahead and prewarm are then not used")
-        g.add_argument("--lmcache-l1-gb", type=float, default=1.0,
-                       help="with --lmcache auto: the server's memory tier in GiB (allocated up front; default: 1)")
-        g.add_argument("--lmcache-l2", metavar="JSON",
-                       help="with --lmcache auto: a second tier, LMCache's --l2-adapter: a disk "
-                            "'{\"type\":\"fs\",\"base_path\":DIR}' or Redis "
-                            "'{\"type\":\"resp\",\"host\":H,\"port\":P}'")
     else:
+        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
+                                 "a store folder)")
         g.add_argument("--lmcache", metavar="URL",
                        help="instead of --store: the LMCache server (tcp://HOST:PORT) a source engine stores its K/V "
                             "in (`kvbridge serve-source --lmcache`, or any vLLM engine with LMCacheMPConnector and "
@@ -116,6 +122,18 @@ def add_lmcache(p, owner: bool) -> None:
         g.add_argument("--lmcache-model", metavar="NAME",
                        help="the model name that source engine was given (LMCache keys by it; default: the source's "
                             "folder, as kvbridge serve-source gives it)")
+        return
+    g.add_argument("--lmcache-l1-gb", type=float, default=1.0,
+                   help="with --lmcache auto: the server's memory tier in GiB (allocated up front; default: 1)")
+    g.add_argument("--lmcache-l2", metavar="JSON",
+                   help="with --lmcache auto: a second tier, LMCache's --l2-adapter: a disk "
+                        "'{\"type\":\"fs\",\"base_path\":DIR}' or Redis "
+                        "'{\"type\":\"resp\",\"host\":H,\"port\":P}'")
+    if bench:
+        g.add_argument("--lmcache-source-url", help="instead of --lmcache, with --source-url: a running `kvbridge "
+                                                    "serve-source --lmcache` server (with --lmcache-target-url)")
+        g.add_argument("--lmcache-target-url", help="a running `kvbridge serve --lmcache` server reading the LMCache "
+                                                    "server that source stores in")
 
 
 @contextlib.contextmanager
@@ -570,7 +588,8 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                     "token of each, and the escalated "
                     "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
                     "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
-                    "running ones (--source-url, --target-url).")
+                    "running ones (--source-url, --target-url). With --lmcache, an eighth way: a second pair whose "
+                    "source stores through LMCache and whose target reads from there.")
     add_pair(p)
     p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
     p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
@@ -594,6 +613,7 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                         "(default: the source server maps each stored block ahead)")
     add_native_rest(p)
     add_store_memory(p)
+    add_lmcache(p, owner=True, bench=True)
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
     p.add_argument("--table", metavar="REPORT", help="no servers: print the tables of a saved report (a --json file of "
                                                      "this command) with its per-conversation figures, and write them "
@@ -649,6 +669,7 @@ def _cmd_cascade_bench(args) -> int:
     if args.source_baseline and args.source_url and not args.baseline_url:
         raise KVBridgeError("--source-baseline starts its server beside the ones it starts; with --source-url, give a "
                             "running `kvbridge serve-source --no-store` as --baseline-url.")
+    _check_lmcache_pair(args)
     if args.json:
         check_output_file(args.json, "--json")
     require("openai", "serve", "kvbridge cascade-bench")
@@ -656,17 +677,20 @@ def _cmd_cascade_bench(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     say = lambda m: log(f"  {m}")  # noqa: E731
 
-    def measure(source_url, target_url, baseline_url=None):
+    def measure(source_url, target_url, baseline_url=None, lmcache=None):
         names = [_first_model(url) for url in (source_url, target_url)]
+        pair = (lmcache[0], _first_model(lmcache[0]), lmcache[1], _first_model(lmcache[1])) if lmcache else None
         return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
                                  args.conversations, args.warmup, args.new_tokens, args.native_rest,
                                  args.question_tokens, say, baseline_url,
-                                 _first_model(baseline_url) if baseline_url else None)
+                                 _first_model(baseline_url) if baseline_url else None, pair)
 
     try:
         if args.source_url:
+            running = (args.lmcache_source_url.rstrip("/"), args.lmcache_target_url.rstrip("/")) \
+                if args.lmcache_source_url else None
             report = measure(args.source_url.rstrip("/"), args.target_url.rstrip("/"),
-                             args.baseline_url.rstrip("/") if args.baseline_url else None)
+                             args.baseline_url.rstrip("/") if args.baseline_url else None, running)
         else:
             with tempfile.TemporaryDirectory(prefix="kvbridge-store-") as tmp:
                 args.store = args.store or tmp
@@ -676,14 +700,16 @@ def _cmd_cascade_bench(args) -> int:
                 also = " and the source without a store" if args.source_baseline else ""
                 log(f"starting the source and target servers{also} (logs in {args.log_dir}/)")
                 with launched_pair(source_args, target_args + args.vllm_args, args.log_dir) as urls, \
-                        _baseline(args) as baseline:
-                    report = measure(*urls, baseline)
+                        _baseline(args) as baseline, _lmcache_pair(args) as lmcache:
+                    report = measure(*urls, baseline, lmcache)
     except openai.OpenAIError as exc:
         raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
                             "--max-model-len, and their logs.") from None
     report["device"] = _device()
     report["command"] = "kvbridge cascade-bench " + " ".join(args.argv)
+    if args.lmcache:
+        report["lmcache"] = args.lmcache
     print(f"\n{report['device']}; {args.conversations} conversations per length after {args.warmup} warm-ups; "
           f"{args.new_tokens} tokens per escalated answer; median time to the first streamed token; the engine's "
           f"own time for an 8-token prompt: {report['engine_floor_ms']:.1f} ms\n")
@@ -691,6 +717,46 @@ def _cmd_cascade_bench(args) -> int:
     if args.json:
         write_cascade(report, args.json)
     return 0
+
+
+def _check_lmcache_pair(args) -> None:
+    """cascade-bench's LMCache options, checked before anything starts."""
+    from .lmcache_store import normal_url
+
+    if (args.lmcache_source_url is None) != (args.lmcache_target_url is None):
+        raise KVBridgeError("give --lmcache-source-url and --lmcache-target-url together (a running `kvbridge "
+                            "serve-source --lmcache` and `kvbridge serve --lmcache` sharing an LMCache server).")
+    if args.lmcache_source_url and not args.source_url:
+        raise KVBridgeError("--lmcache-source-url and --lmcache-target-url go with --source-url and --target-url "
+                            "(running servers); to start an LMCache pair beside the started ones, pass --lmcache "
+                            "URL|auto.")
+    if args.lmcache and args.source_url:
+        raise KVBridgeError("--lmcache starts a second pair beside the servers this command starts; with --source-url, "
+                            "give a running LMCache pair as --lmcache-source-url and --lmcache-target-url.")
+    if args.lmcache and args.lmcache != "auto":
+        normal_url(args.lmcache)  # (InputError, in words: tcp://HOST:PORT)
+    if args.lmcache:
+        import importlib.util
+
+        if importlib.util.find_spec("lmcache") is None:
+            raise KVBridgeError("--lmcache needs the lmcache package (pip install lmcache==0.5.6, or kvbridge[serve]).")
+
+
+@contextlib.contextmanager
+def _lmcache_pair(args):
+    """With --lmcache: `kvbridge cascade --lmcache`'s pair (and, with auto, its LMCache server), logs in
+    ``LOG_DIR/lmcache/``, stopped when the block ends: yields (source URL, target URL); None without it."""
+    if not args.lmcache:
+        yield None
+        return
+    from .cascade import launched_pair
+
+    logs = Path(args.log_dir) / "lmcache"
+    with lmcache_server(args, logs) as url:
+        source_args, target_args = pair_argv(args, url)
+        log(f"starting the LMCache pair (the source storing in {url}, the target reading it; logs in {logs}/)")
+        with launched_pair(source_args, target_args + args.vllm_args, logs) as urls:
+            yield urls
 
 
 @contextlib.contextmanager

@@ -32,11 +32,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import re
 import time
 from dataclasses import asdict, dataclass
 
 from ..errors import KVBridgeError
+from .bench import parse_metrics
 
 WAYS = ("plain", "native", "mapped-sync", "mapped-async")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
@@ -106,28 +106,6 @@ def summary(values: list[float], replicates: int = 2000, seed: int = 0) -> dict:
         out[f"p{q}"] = percentile(values, q)
         out[f"p{q}_interval"] = list(resampled_interval(values, replicates, seed + q,
                                                         statistic=lambda v, q=q: percentile(v, q)))
-    return out
-
-
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """The samples of a Prometheus text exposition: ``(name, labels, value)`` (comments and malformed lines
-    skipped)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
     return out
 
 
