@@ -225,7 +225,8 @@ def test_the_escalation_benchmark_through_lmcache(servers, family_fast_mapper, t
         try:
             target = ["--mapper", family_fast_mapper, "--lmcache", url, "--max-model-len", "2048", "--max-num-seqs",
                       "8"]
-            with launched_pair(["--lmcache", url, "--max-num-seqs", "8"], target, tmp_path, STARTUP_S) as pair:
+            with launched_pair(["--lmcache", url, "--max-num-seqs", "8"], target, tmp_path, STARTUP_S,
+                               together=True) as pair:
                 out = tmp_path / "cascade.json"
                 assert main(["cascade-bench", "--source-url", servers[0], "--target-url", servers[1],
                              "--lmcache-source-url", pair[0], "--lmcache-target-url", pair[1], "--histories", "400",

@@ -137,12 +137,19 @@ def default_store() -> str:
 
 
 @contextlib.contextmanager
-def launched_pair(source_args: list[str], target_args: list[str], log_dir: str | Path, timeout_s: float = 300.0):
-    """Both servers as subprocesses (the source first: it creates the store); yields (source URL, target URL)."""
-    from .server import launched
+def launched_pair(source_args: list[str], target_args: list[str], log_dir: str | Path, timeout_s: float = 300.0,
+                  together: bool = False):
+    """Both servers as subprocesses (the source first: it creates the store; ``together``: both at once, for a pair
+    that shares no store, LMCache's); yields (source URL, target URL)."""
+    from .server import launched, launched_together
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if together:
+        with launched_together([(source_args, log_dir / "source.log", "serve-source"),
+                                (target_args, log_dir / "target.log", "serve")], timeout_s) as urls:
+            yield tuple(urls)
+        return
     with launched(source_args, log_dir / "source.log", timeout_s, command="serve-source") as source_url, \
             launched(target_args, log_dir / "target.log", timeout_s) as target_url:
         yield source_url, target_url

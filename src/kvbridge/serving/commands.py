@@ -556,7 +556,8 @@ def _cmd_cascade(args) -> int:
         log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs "
             f"in {args.log_dir}/")
         with launched_pair(source_args + ["--port", str(args.source_port)],
-                           target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir) as (source, target):
+                           target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir,
+                           together=bool(url)) as (source, target):  # (no store folder to create first)
             _wait_cascade(source, target, url or Path(args.store).resolve())
 
 
@@ -755,7 +756,7 @@ def _lmcache_pair(args):
     with lmcache_server(args, logs) as url:
         source_args, target_args = pair_argv(args, url)
         log(f"starting the LMCache pair (the source storing in {url}, the target reading it; logs in {logs}/)")
-        with launched_pair(source_args, target_args + args.vllm_args, logs) as urls:
+        with launched_pair(source_args, target_args + args.vllm_args, logs, together=True) as urls:
             yield urls
 
 

@@ -353,41 +353,61 @@ def launched(kvbridge_args: list[str], log_path: str | Path, timeout_s: float = 
     """``kvbridge serve`` (or ``command``) with these arguments in a subprocess on 127.0.0.1, its output in
     ``log_path``; yields the base URL once ``/health`` answers, stops the server on exit. KVBridgeError (with the
     log's end) when it exits or does not answer in ``timeout_s``."""
+    with launched_together([(kvbridge_args, log_path, command)], timeout_s) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def launched_together(servers: list[tuple[list[str], str | Path, str]], timeout_s: float = 300.0):
+    """Servers that need nothing of each other, ``(kvbridge arguments, log path, command)`` each, started at once
+    (their startups overlap), each as :func:`launched` starts one; yields their base URLs once every ``/health``
+    answers; stops them all on exit (KVBridgeError, with the log's end, when one exits or does not answer in
+    ``timeout_s``)."""
     import socket
     import subprocess
     import time
     import urllib.request
 
-    args = list(kvbridge_args)
-    if "--port" not in args:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            args += ["--port", str(s.getsockname()[1])]
-    url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge", command, *args], stdout=out,
-                                stderr=subprocess.STDOUT)
-    tail = lambda: Path(log_path).read_text(errors="replace")[-3000:]  # noqa: E731
+    started = []  # (process, url, log path, command)
     try:
         _stop_on_sigterm()
+        for kvbridge_args, log_path, command in servers:
+            args = list(kvbridge_args)
+            if "--port" not in args:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    args += ["--port", str(s.getsockname()[1])]
+            url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+            with open(log_path, "wb") as out:
+                started.append((subprocess.Popen([sys.executable, "-m", "kvbridge", command, *args], stdout=out,
+                                                 stderr=subprocess.STDOUT), url, log_path, command))
         deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise KVBridgeError(f"kvbridge {command} exited with {proc.returncode}:\n{tail()}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise KVBridgeError(f"kvbridge {command} did not answer /health within {timeout_s:.0f} s:\n{tail()}")
-            time.sleep(1)
-        yield url
+        waiting = list(started)
+        while waiting:
+            for item in list(waiting):
+                proc, url, log_path, command = item
+                if proc.poll() is not None:
+                    raise KVBridgeError(f"kvbridge {command} exited with {proc.returncode}:\n"
+                                        f"{Path(log_path).read_text(errors='replace')[-3000:]}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                        if response.status == 200:
+                            waiting.remove(item)
+                except OSError:
+                    pass
+            if waiting and time.monotonic() > deadline:
+                _, _, log_path, command = waiting[0]
+                raise KVBridgeError(f"kvbridge {command} did not answer /health within {timeout_s:.0f} s:\n"
+                                    f"{Path(log_path).read_text(errors='replace')[-3000:]}")
+            if waiting:
+                time.sleep(1)
+        yield [url for _, url, _, _ in started]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for proc, *_ in reversed(started):  # (all asked to stop first: their shutdowns overlap too)
+            proc.terminate()
+        for proc, *_ in reversed(started):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
