@@ -144,3 +144,49 @@ def test_the_load_option_per_server_and_per_request():
     check_body({"kv_transfer_params": {"kvbridge": "mapped", "kvbridge_load": "sync"}})
     with pytest.raises(InputError, match="kvbridge_load"):
         check_body({"kv_transfer_params": {"kvbridge": "mapped", "kvbridge_load": "later"}})
+
+
+def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_salt(monkeypatch):
+    """The warm way's prompts go to the storing source first, one at a time, 1 token each, under the very salts the
+    target's requests then carry (its store keys by them); the cold ways ask for no store; no source: refused."""
+    import asyncio
+
+    from kvbridge.serving import load
+
+    calls = []
+
+    async def replay(client, model, trace, stream, bos, params, salt, new_tokens, open_loop=True):
+        calls.append((model, salt, new_tokens, open_loop, params))
+        return [{"ttft_ms": 1.0, "e2e_ms": 2.0, "tokens": new_tokens} for _ in trace]
+
+    async def settled(url, before, requests, counted):
+        return before
+
+    monkeypatch.setattr(load, "replay", replay)
+    monkeypatch.setattr(load, "settled", settled)
+    monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
+    monkeypatch.setattr(load, "SETTLE_S", 0.0)
+    trace = poisson_trace(2.0, 4, (256, 512), 0, 10_000)
+    args = ({w: "http://127.0.0.1:9" for w in ("native", "warm")}, {"native": "t", "warm": "t"}, ["native", "warm"],
+            [2.0], {2.0: trace}, trace[:2], list(range(10_000)), 1, 8, "run")
+    with pytest.raises(KVBridgeError, match="warm way needs the storing source"):
+        asyncio.run(load.run_ways(*args))
+    results = asyncio.run(load.run_ways(*args, progress=lambda m: None, source=("http://127.0.0.1:8", "src")))
+    assert [(r.way, r.rate) for r in results] == [("native", None), ("warm", None), ("warm", 2.0), ("native", 2.0)]
+    for i, call in enumerate(calls):
+        if call[0] == "src":  # the source's pass: closed loop, one token, no kvbridge parameters ...
+            assert call[2:] == (1, False, None)
+            nxt = calls[i + 1]  # ... right before the target's run under the same salts
+            assert nxt[0] == "t" and nxt[1] == call[1] and nxt[4] == load.PARAMS["warm"]
+    assert sum(c[0] == "src" for c in calls) == 2
+    assert load.PARAMS["mapped-sync"]["kvbridge_store"] is False and load.PARAMS["mapped-async"]["kvbridge_store"] \
+        is False
+
+
+def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
+    from kvbridge.serving.commands import _load_source_argv
+
+    argv = _load_source_argv(["--mapper", "m", "--target=t", "--max-model-len", "2048", "--recompute", "0",
+                              "--hold-back", "4"], "/tmp/s")
+    assert argv == ["--store", "/tmp/s", "--map-ahead", "--served-model-name", "load-source", "--mapper", "m",
+                    "--target", "t", "--max-model-len", "2048"]

@@ -809,10 +809,13 @@ def _load_bench_parser() -> argparse.ArgumentParser:
         description="Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
                     "serve` side by side (every option this command does not know goes to both), then replays one "
                     "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
-                    "its own — against each way (plain vLLM; kvbridge native; mapped; mapped with synchronous "
-                    "loads), each way unloaded first (one request at a time), then at each rate, the ways' order "
-                    "alternating per rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output "
-                    "throughput, and the prompt tokens the target computed, from vLLM's /metrics.")
+                    "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; "
+                    "mapped-sync / mapped-async: cold transfer, the map inside or beside the engine's step; warm: "
+                    "escalated requests, each prompt served and stored earlier by a third server, `kvbridge "
+                    "serve-source --store` mapping ahead, which this command starts when the warm way runs), each "
+                    "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
+                    "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
+                    "prompt tokens the target computed, from vLLM's /metrics.")
     p.add_argument("--rates", default="1,3", help="request rates, per second (default: 1,3)")
     p.add_argument("--requests", type=int, default=40, help="requests per rate and way (default: 40)")
     p.add_argument("--unloaded", type=int, default=8,
@@ -823,9 +826,24 @@ def _load_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"which ways, of {', '.join(WAYS)} (default: all)")
     p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
-    p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log and "
-                                                                "PREFIX-kvbridge.log (default: %(default)s)")
+    p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
+                                                                "PREFIX-kvbridge.log and PREFIX-source.log (default: "
+                                                                "%(default)s)")
     return p
+
+
+def _load_source_argv(rest: list[str], store: str) -> list[str]:
+    """``kvbridge serve-source`` arguments for load-bench's warm way: storing into ``store`` and mapping ahead with the
+    kvbridge server's own pair and mapper (those of its flags in ``rest``), at its engine sizes."""
+    from .server import flag_value
+
+    argv = ["--store", store, "--map-ahead", "--served-model-name", "load-source"]
+    for flag in ("--source", "--source-revision", "--mapper", "--mapper-revision", "--target", "--target-revision",
+                 "--max-model-len", "--max-num-seqs"):
+        value = flag_value(rest, flag)
+        if value is not None:
+            argv += [flag, value]
+    return argv
 
 
 def _cmd_load_bench(args) -> int:
@@ -844,7 +862,7 @@ def _cmd_load_bench(args) -> int:
     from ..suite import _commit
     from .bench import heldout_stream
     from .load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
-    from .server import flag_value, given_flags, launched
+    from .server import flag_value, given_flags, launched_together
 
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -867,6 +885,9 @@ def _cmd_load_bench(args) -> int:
     if {"--port", "--served-model-name", "--plain"} & given_flags(rest):
         raise KVBridgeError("kvbridge load-bench picks the servers' ports and names itself; drop --port, "
                             "--served-model-name and --plain.")
+    if "warm" in ways and {"--store", "--lmcache"} & given_flags(rest):
+        raise KVBridgeError("the warm way stores into a folder of its own, which load-bench creates and removes; "
+                            "drop --store and --lmcache.")
     target = flag_value(rest, "--target")
     target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -882,16 +903,27 @@ def _cmd_load_bench(args) -> int:
     import openai
 
     with contextlib.ExitStack() as stack:
-        urls = {}
-        for name, extra in servers.items():
-            argv = [*extra, *rest, "--served-model-name", f"load-{name}"]
-            log(f"starting kvbridge serve {' '.join(argv)} (log: {args.log}-{name}.log)")
-            urls[name] = stack.enter_context(launched(argv, f"{args.log}-{name}.log", timeout_s=900))
+        started = []  # (kvbridge arguments, log, command), all started at once
+        if "warm" in ways:  # the kvbridge server reads the store the source creates (once it exists: lazily)
+            import shutil
+            import tempfile
+
+            store = tempfile.mkdtemp(prefix="kvbridge-load-store-")
+            stack.callback(shutil.rmtree, store, True)
+            servers["kvbridge"] = ["--store", store]
+            started.append((_load_source_argv(rest, store), f"{args.log}-source.log", "serve-source"))
+        started += [([*extra, *rest, "--served-model-name", f"load-{name}"], f"{args.log}-{name}.log", "serve")
+                    for name, extra in servers.items()]
+        for argv, path, command in started:
+            log(f"starting kvbridge {command} {' '.join(argv)} (log: {path})")
+        started_urls = stack.enter_context(launched_together(started, timeout_s=900))
+        source = (started_urls[0], "load-source") if "warm" in ways else None
+        urls = dict(zip(servers, started_urls[1:] if source else started_urls))
         by_way = {w: urls["plain" if w == "plain" else "kvbridge"] for w in ways}
         models = {w: f"load-{'plain' if w == 'plain' else 'kvbridge'}" for w in ways}
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
-                                           tokenizer.bos_token_id, args.new_tokens, run_id, say))
+                                           tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source))
         except openai.OpenAIError as exc:
             raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "

@@ -10,7 +10,11 @@ trace against each *way*:
 * ``mapped-sync``: the kvbridge server, ``{"kvbridge": "mapped", "kvbridge_load": "sync"}``: the source prefills
   and the mapper maps inside the engine's step (the server's default), the target computes the hold-back;
 * ``mapped-async``: the same with ``"kvbridge_load": "async"``: the map runs in the connector's thread beside the
-  engine's steps.
+  engine's steps;
+* ``warm``: escalated requests. A third server, ``kvbridge serve-source --store`` (mapping ahead), has served each
+  prompt earlier — before the way's run, one at a time, with the target request's own cache salt — and stored its
+  blocks and their mapped K/V; the kvbridge server (``--store``, the same folder) reads them from its memory tier,
+  or its folder, and computes the rest of the prompt. The cold ways above ask ``"kvbridge_store": false``.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -38,10 +42,13 @@ from dataclasses import asdict, dataclass
 from ..errors import KVBridgeError
 from .bench import parse_metrics
 
-WAYS = ("plain", "native", "mapped-sync", "mapped-async")
+WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
-          "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync"},
-          "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async"}}
+          "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync", "kvbridge_store": False},
+          "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async", "kvbridge_store": False},
+          "warm": {"kvbridge": "mapped", "kvbridge_load": "sync"}}
+WARM = "warm"  # the way whose prompts the source's server serves (and stores) first
+SETTLE_S = 2.0  # after the source's last prompt: its background stores and maps ahead done, its engine idle
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 QUANTILES = (50, 90, 99)
 
@@ -129,6 +136,8 @@ def engine_counters(text: str) -> dict[str, float]:
     for outcome in ("mapped", "native", "short", "fallback", "cached"):
         out[f"kvbridge_{outcome}"] = counter(samples, "vllm:kvbridge_requests", outcome=outcome)
     out["kvbridge_map_seconds"] = counter(samples, "vllm:kvbridge_map_seconds")
+    for count in ("stored_tokens", "premapped_tokens", "hot_tokens"):  # prefix tokens read from the store
+        out[f"kvbridge_{count}"] = counter(samples, f"vllm:kvbridge_{count}")
     return out
 
 
@@ -228,23 +237,31 @@ def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, be
 
 async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str], rates: list[float],
                    traces: dict[float, list[Arrival]], unloaded: list[Arrival], stream: list[int], bos: int | None,
-                   new_tokens: int, run_id: str, progress=print, replicates: int = 2000) -> list[WayResult]:
-    """Each way unloaded, then each rate's trace against each way, the ways' order alternating per rate."""
+                   new_tokens: int, run_id: str, progress=print, replicates: int = 2000,
+                   source: tuple[str, str] | None = None) -> list[WayResult]:
+    """Each way unloaded, then each rate's trace against each way, the ways' order alternating per rate.
+    ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first."""
     from openai import AsyncOpenAI
 
+    if WARM in ways and source is None:
+        raise KVBridgeError("the warm way needs the storing source's server (kvbridge serve-source --store).")
     clients = {u: AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0, timeout=1800)
-               for u in set(urls.values())}
+               for u in set(urls.values()) | ({source[0]} if source else set())}
     results = []
     try:
         plan = [(None, ways)] + [(rate, ways if i % 2 else ways[::-1]) for i, rate in enumerate(rates)]
         for rate, order in plan:
             for way in order:
                 url = urls[way]
+                trace = unloaded if rate is None else traces[rate]
+                salt = f"load-{run_id}-{way}-{rate or 0}"
+                if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
+                    await replay(clients[source[0]], source[1], trace, stream, bos, None, salt, 1, open_loop=False)
+                    await asyncio.sleep(SETTLE_S)
                 before = await asyncio.to_thread(scrape, url)
                 t0 = time.perf_counter()
-                trace = unloaded if rate is None else traces[rate]
-                rows = await replay(clients[url], models[way], trace, stream, bos, PARAMS[way],
-                                    f"load-{run_id}-{way}-{rate or 0}", new_tokens, open_loop=rate is not None)
+                rows = await replay(clients[url], models[way], trace, stream, bos, PARAMS[way], salt, new_tokens,
+                                    open_loop=rate is not None)
                 wall = time.perf_counter() - t0
                 after = await settled(url, before, len(rows), counted=way != "plain")
                 result = way_result(way, rate, rows, wall, before, after, replicates)
@@ -267,17 +284,19 @@ def load_table(report: dict) -> str:
         return f"{s[f'p{q}']:.0f} [{lo:.0f}, {hi:.0f}]"
 
     lines = ["| Rate (req/s) | Way | n | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | "
-             "Output tok/s | Prompt tokens | Computed by the target | Mapped / fallback |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "Output tok/s | Prompt tokens | Computed by the target | Mapped / fallback | Read from the store |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in report["results"]:
         c = r["counters"]
         rate = "unloaded" if r["rate"] is None else f"{r['rate']:g}"
         mapped = (f"{c.get('kvbridge_mapped', 0):.0f} / {c.get('kvbridge_fallback', 0):.0f}"
-                  if r["way"].startswith("mapped") else "")
+                  if r["way"].startswith("mapped") or r["way"] == WARM else "")
+        stored = (f"{c.get('kvbridge_stored_tokens', 0):,.0f} ({c.get('kvbridge_hot_tokens', 0):,.0f} from memory)"
+                  if r["way"] == WARM else "")
         lines.append(f"| {rate} | {r['way']} | {r['requests']} | {cell(r['ttft_ms'], 50)} | {cell(r['ttft_ms'], 90)} "
                      f"| {cell(r['ttft_ms'], 99)} | {r['e2e_ms']['p50']:.0f} | {r['e2e_ms']['p90']:.0f} | "
                      f"{r['output_tokens_per_s']:.1f} | {c.get('prompt_tokens', 0):,.0f} | "
-                     f"{c.get('local_compute', 0):,.0f} ({100 * r['computed_share']:.1f} %) | {mapped} |")
+                     f"{c.get('local_compute', 0):,.0f} ({100 * r['computed_share']:.1f} %) | {mapped} | {stored} |")
     return "\n".join(lines)
 
 
