@@ -29,7 +29,8 @@ def servers(family_fast_mapper, tmp_path_factory):
     store = str(logs / "store")
     target = ["--mapper", family_fast_mapper, "--store", store, "--max-model-len", "2048", "--max-num-seqs", "8"]
     source = ["--store", store, "--mapper", family_fast_mapper, "--max-num-seqs", "8"]  # mapping ahead too
-    with launched_pair(source, target, logs, STARTUP_S) as urls:
+    # started at once: the target's connector finds the store once the source has created it
+    with launched_pair(source, target, logs, STARTUP_S, together=True) as urls:
         yield (*urls, logs)
 
 
@@ -324,3 +325,29 @@ def test_the_load_benchmark_replays_a_trace_and_reads_the_engines_prefill_counte
             assert result.computed_share < 0.05 and c["kvbridge_map_seconds"] > 0
         else:
             assert c["local_compute"] == prompt and c["external_kv_transfer"] == 0 and c["kvbridge_native"] == 3
+
+
+def test_the_load_benchmarks_warm_way_reads_what_the_source_stored(servers):
+    """load-bench's warm way against the running pair: the storing source serves each prompt first, the target's
+    requests under the same salts then read its stored blocks (mapped ahead) and compute only the rest."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from kvbridge import family
+    from kvbridge.serving.bench import heldout_stream
+    from kvbridge.serving.load import poisson_trace, run_ways
+
+    tokenizer = AutoTokenizer.from_pretrained(family.target_path())
+    stream = heldout_stream(tokenizer)
+    trace = poisson_trace(4.0, 3, (300, 600), seed=5, stream_tokens=len(stream))
+    (unloaded, loaded) = asyncio.run(run_ways(
+        {"warm": servers[1]}, {"warm": "kvbridge-family"}, ["warm"], [4.0], {4.0: trace}, trace[:2], stream,
+        tokenizer.bos_token_id, 4, f"test-{time.time_ns()}", progress=lambda m: None, replicates=100,
+        source=(servers[0], "kvbridge-family-source")))
+    for result, requests in ((unloaded, 2), (loaded, 3)):
+        c = result.counters  # every prompt of 300+ tokens has 2+ full 128-token blocks before its held-back token
+        assert c["requests"] == requests and c["kvbridge_mapped"] == requests and c["kvbridge_fallback"] == 0
+        assert c["kvbridge_stored_tokens"] >= 256 * requests, c
+        assert c["kvbridge_premapped_tokens"] == c["kvbridge_stored_tokens"], c  # mapped ahead: read, not mapped
+        assert c["local_compute"] <= c["prompt_tokens"] - c["kvbridge_stored_tokens"]

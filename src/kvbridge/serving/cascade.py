@@ -139,8 +139,9 @@ def default_store() -> str:
 @contextlib.contextmanager
 def launched_pair(source_args: list[str], target_args: list[str], log_dir: str | Path, timeout_s: float = 300.0,
                   together: bool = False):
-    """Both servers as subprocesses (the source first: it creates the store; ``together``: both at once, for a pair
-    that shares no store, LMCache's); yields (source URL, target URL)."""
+    """Both servers as subprocesses (the source first: it creates the store, and the target then takes its block
+    size; ``together``: both at once, where both use the engine's default block size or share no store, LMCache's:
+    the target's connector finds the store once it exists); yields (source URL, target URL)."""
     from .server import launched, launched_together
 
     log_dir = Path(log_dir)
