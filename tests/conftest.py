@@ -192,3 +192,14 @@ def vllm_ready() -> str | None:
     except Exception as exc:  # an import error, or torchvision's operator error beside a CPU torch
         return f"vLLM does not import: {exc}"
     return None
+
+
+# the serving modules' fixtures that start vLLM engines, servers or an LMCache server (set up once per module)
+ENGINE_FIXTURES = {"engine", "engines", "servers", "server", "client", "lmcache"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs an engine fixture is marked ``engine``: ``pytest -m "not engine"`` runs the rest."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
