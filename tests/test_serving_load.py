@@ -190,3 +190,34 @@ def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper
                               "--hold-back", "4"], "/tmp/s")
     assert argv == ["--store", "/tmp/s", "--map-ahead", "--served-model-name", "load-source", "--mapper", "m",
                     "--target", "t", "--max-model-len", "2048"]
+
+
+def test_the_warm_way_waits_for_the_sources_maps_ahead(tmp_path):
+    """quiet(): returns once the store's journal stops growing, not before; at once without a store."""
+    import asyncio
+    import time
+
+    from kvbridge.serving.load import quiet
+    from kvbridge.serving.store import JOURNAL_FILE
+
+    journal = tmp_path / JOURNAL_FILE
+
+    async def writer():
+        for i in range(5):
+            with open(journal, "a") as f:
+                f.write(f"entries/{i}\n")
+            await asyncio.sleep(0.1)
+
+    async def both():
+        task = asyncio.create_task(writer())
+        start = time.monotonic()
+        await quiet(str(tmp_path), quiet_s=0.3, max_s=10)
+        await task
+        return time.monotonic() - start
+
+    took = asyncio.run(both())
+    assert 0.6 <= took < 5 and journal.read_text().count("\n") == 5
+    start = time.monotonic()
+    asyncio.run(quiet(None))
+    asyncio.run(quiet(str(tmp_path / "none"), quiet_s=0.2, max_s=0.5))  # no journal yet: quiet too
+    assert time.monotonic() - start < 2

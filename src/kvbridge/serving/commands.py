@@ -903,7 +903,7 @@ def _cmd_load_bench(args) -> int:
     import openai
 
     with contextlib.ExitStack() as stack:
-        started = []  # (kvbridge arguments, log, command), all started at once
+        started, store = [], None  # (kvbridge arguments, log, command), all started at once
         if "warm" in ways:  # the kvbridge server reads the store the source creates (once it exists: lazily)
             import shutil
             import tempfile
@@ -923,7 +923,8 @@ def _cmd_load_bench(args) -> int:
         models = {w: f"load-{'plain' if w == 'plain' else 'kvbridge'}" for w in ways}
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
-                                           tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source))
+                                           tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
+                                           store=store if source else None))
         except openai.OpenAIError as exc:
             raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "

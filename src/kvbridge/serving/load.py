@@ -13,8 +13,9 @@ trace against each *way*:
   engine's steps;
 * ``warm``: escalated requests. A third server, ``kvbridge serve-source --store`` (mapping ahead), has served each
   prompt earlier — before the way's run, one at a time, with the target request's own cache salt — and stored its
-  blocks and their mapped K/V; the kvbridge server (``--store``, the same folder) reads them from its memory tier,
-  or its folder, and computes the rest of the prompt. The cold ways above ask ``"kvbridge_store": false``.
+  blocks and their mapped K/V; once the source's maps ahead are done (its store's journal quiet) the way's run
+  starts, and the kvbridge server (``--store``, the same folder) reads those blocks from its memory tier, or its
+  folder, and computes the rest of the prompt. The cold ways above ask ``"kvbridge_store": false``.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -48,7 +49,9 @@ PARAMS = {"plain": None, "native": {"kvbridge": "native"},
           "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async", "kvbridge_store": False},
           "warm": {"kvbridge": "mapped", "kvbridge_load": "sync"}}
 WARM = "warm"  # the way whose prompts the source's server serves (and stores) first
-SETTLE_S = 2.0  # after the source's last prompt: its background stores and maps ahead done, its engine idle
+QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
+QUIET_MAX_S = 300.0  # (waiting at most this long)
+SETTLE_S = 2.0  # ... and the target's memory tier has loaded what they announced
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 QUANTILES = (50, 90, 99)
 
@@ -235,12 +238,39 @@ def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, be
                      max((r.get("late_ms", 0.0) for r in rows), default=0.0))
 
 
+async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | None = None) -> None:
+    """Returns once the store's journal of mapped entries has not grown for ``quiet_s`` (the source's maps ahead
+    done), or after ``max_s``; at once without a store."""
+    if store is None:
+        return
+    from pathlib import Path
+
+    from .store import JOURNAL_FILE
+
+    quiet_s = QUIET_S if quiet_s is None else quiet_s
+    deadline = time.monotonic() + (QUIET_MAX_S if max_s is None else max_s)
+    journal = Path(store) / JOURNAL_FILE
+
+    def size() -> int:
+        return journal.stat().st_size if journal.exists() else -1
+
+    last, since = size(), time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(0.1, quiet_s))
+        now = size()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+
+
 async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str], rates: list[float],
                    traces: dict[float, list[Arrival]], unloaded: list[Arrival], stream: list[int], bos: int | None,
                    new_tokens: int, run_id: str, progress=print, replicates: int = 2000,
-                   source: tuple[str, str] | None = None) -> list[WayResult]:
+                   source: tuple[str, str] | None = None, store: str | None = None) -> list[WayResult]:
     """Each way unloaded, then each rate's trace against each way, the ways' order alternating per rate.
-    ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first."""
+    ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first; ``store``:
+    its store's folder (the warm way's run waits until its maps ahead are done)."""
     from openai import AsyncOpenAI
 
     if WARM in ways and source is None:
@@ -257,6 +287,7 @@ async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str]
                 salt = f"load-{run_id}-{way}-{rate or 0}"
                 if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
                     await replay(clients[source[0]], source[1], trace, stream, bos, None, salt, 1, open_loop=False)
+                    await quiet(store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
                     await asyncio.sleep(SETTLE_S)
                 before = await asyncio.to_thread(scrape, url)
                 t0 = time.perf_counter()
