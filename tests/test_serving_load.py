@@ -165,13 +165,13 @@ def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_s
     monkeypatch.setattr(load, "replay", replay)
     monkeypatch.setattr(load, "settled", settled)
     monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
-    monkeypatch.setattr(load, "SETTLE_S", 0.0)
     trace = poisson_trace(2.0, 4, (256, 512), 0, 10_000)
     args = ({w: "http://127.0.0.1:9" for w in ("native", "warm")}, {"native": "t", "warm": "t"}, ["native", "warm"],
             [2.0], {2.0: trace}, trace[:2], list(range(10_000)), 1, 8, "run")
     with pytest.raises(KVBridgeError, match="warm way needs the storing source"):
         asyncio.run(load.run_ways(*args))
-    results = asyncio.run(load.run_ways(*args, progress=lambda m: None, source=("http://127.0.0.1:8", "src")))
+    results = asyncio.run(load.run_ways(*args, progress=lambda m: None, source=("http://127.0.0.1:8", "src"),
+                                        settle_s=0.0))
     assert [(r.way, r.rate) for r in results] == [("native", None), ("warm", None), ("warm", 2.0), ("native", 2.0)]
     for i, call in enumerate(calls):
         if call[0] == "src":  # the source's pass: closed loop, one token, no kvbridge parameters ...

@@ -802,7 +802,7 @@ def _device() -> str:
 
 
 def _load_bench_parser() -> argparse.ArgumentParser:
-    from .load import WAYS
+    from .load import SETTLE_S, WAYS
 
     p = argparse.ArgumentParser(
         prog="kvbridge load-bench",
@@ -825,6 +825,10 @@ def _load_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"which ways, of {', '.join(WAYS)} (default: all)")
+    p.add_argument("--warm-settle", type=float, default=SETTLE_S, metavar="S",
+                   help="the warm way: seconds between the source's maps ahead of the way's prompts done and the "
+                        "way's run, for the target's memory tier to load them, as it would between a conversation's "
+                        "source turns and its escalation (default: %(default)s)")
     p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
     p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
                                                                 "PREFIX-kvbridge.log and PREFIX-source.log (default: "
@@ -876,6 +880,8 @@ def _cmd_load_bench(args) -> int:
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     if not ways or set(ways) - set(WAYS) or len(set(ways)) != len(ways):
         raise KVBridgeError(f"--ways must be distinct names of {', '.join(WAYS)}, not {args.ways!r}.")
+    if not 0 <= args.warm_settle <= 3600:
+        raise KVBridgeError(f"--warm-settle must be between 0 and 3600 seconds, not {args.warm_settle}.")
     if args.requests < 2 or args.unloaded < 2 or args.new_tokens < 1:
         raise KVBridgeError("--requests and --unloaded must be at least 2, --new-tokens at least 1.")
     if args.json:
@@ -924,7 +930,7 @@ def _cmd_load_bench(args) -> int:
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
                                            tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
-                                           store=store if source else None))
+                                           store=store if source else None, settle_s=args.warm_settle))
         except openai.OpenAIError as exc:
             raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "
@@ -940,6 +946,7 @@ def _cmd_load_bench(args) -> int:
                           "device": _device()},
               "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
               "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
+              "warm_settle_s": args.warm_settle if "warm" in ways else None,
               "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
               "results": to_dict(results)}
     report["load"] = loaded_ratios(report)

@@ -36,6 +36,7 @@ from .store import all_finite, mapped_suffix
 
 POLL_S = 0.05  # how often the journal is read
 DEFAULT_CAP = 1 << 30  # 1 GiB of mapped blocks in memory
+BATCH_LOG = 32  # a run of at least this many announced entries is logged with its load time
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -123,6 +124,7 @@ class HotEntries:
     def _run(self) -> None:
         single_threaded()
         cursor = None
+        run: tuple[float | None, int] = (None, 0)  # (first announcement's load began, entries) since the last quiet
         while not self._stop.wait(POLL_S):
             try:
                 self._jobs_now()
@@ -131,7 +133,8 @@ class HotEntries:
                     continue
                 paths, cursor = store.announced(cursor)
                 since = time.monotonic()
-                for path in dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)):
+                batch = list(dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)))
+                for path in batch:
                     self.clock.wait(since)  # the engine's steps first (at most DEFER_S for the whole batch)
                     try:
                         self.load(path)
@@ -139,6 +142,14 @@ class HotEntries:
                         self.skipped += 1
                         self._warn(exc)
                     self._jobs_now()
+                if batch:  # a run of announcements: logged once the journal is quiet again
+                    run = (run[0] or since, run[1] + len(batch))
+                elif run[1]:
+                    if run[1] >= BATCH_LOG and self.logger is not None:
+                        self.logger.info("kvbridge connector: %d announced blocks loaded into memory over %.2f s "
+                                         "(%d held, %.0f MB)", run[1], time.monotonic() - run[0], len(self),
+                                         self._bytes / 1e6)
+                    run = (None, 0)
             except Exception as exc:  # prefetching is a hint: a failure leaves the folder's path as it was
                 self._warn(exc)
 

@@ -51,7 +51,7 @@ PARAMS = {"plain": None, "native": {"kvbridge": "native"},
 WARM = "warm"  # the way whose prompts the source's server serves (and stores) first
 QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
 QUIET_MAX_S = 300.0  # (waiting at most this long)
-SETTLE_S = 2.0  # ... and the target's memory tier has loaded what they announced
+SETTLE_S = 10.0  # ... then the target's memory tier loads what they announced (default of --warm-settle)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 QUANTILES = (50, 90, 99)
 
@@ -225,6 +225,7 @@ class WayResult:
     counters: dict  # the engine's counters' deltas over the run
     computed_share: float  # of the prompt tokens, the share the target's engine computed itself
     late_ms_max: float  # the latest any request was sent after its arrival (the client keeping up)
+    ttft_by_request: list = None  # ms, in the trace's order (where the stalls fall)
 
 
 def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, before: dict, after: dict,
@@ -235,7 +236,8 @@ def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, be
     return WayResult(way, rate, len(rows), summary([r["ttft_ms"] for r in rows], replicates),
                      summary([r["e2e_ms"] for r in rows], replicates), tokens / wall_s if wall_s > 0 else 0.0,
                      wall_s, delta, delta.get("local_compute", 0.0) / prompt if prompt else float("nan"),
-                     max((r.get("late_ms", 0.0) for r in rows), default=0.0))
+                     max((r.get("late_ms", 0.0) for r in rows), default=0.0),
+                     [round(r["ttft_ms"], 1) for r in rows])
 
 
 async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | None = None) -> None:
@@ -267,10 +269,11 @@ async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | 
 async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str], rates: list[float],
                    traces: dict[float, list[Arrival]], unloaded: list[Arrival], stream: list[int], bos: int | None,
                    new_tokens: int, run_id: str, progress=print, replicates: int = 2000,
-                   source: tuple[str, str] | None = None, store: str | None = None) -> list[WayResult]:
+                   source: tuple[str, str] | None = None, store: str | None = None,
+                   settle_s: float = SETTLE_S) -> list[WayResult]:
     """Each way unloaded, then each rate's trace against each way, the ways' order alternating per rate.
     ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first; ``store``:
-    its store's folder (the warm way's run waits until its maps ahead are done)."""
+    its store's folder (the warm way's run waits until its maps ahead are done, then ``settle_s``)."""
     from openai import AsyncOpenAI
 
     if WARM in ways and source is None:
@@ -288,7 +291,7 @@ async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str]
                 if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
                     await replay(clients[source[0]], source[1], trace, stream, bos, None, salt, 1, open_loop=False)
                     await quiet(store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
-                    await asyncio.sleep(SETTLE_S)
+                    await asyncio.sleep(settle_s)
                 before = await asyncio.to_thread(scrape, url)
                 t0 = time.perf_counter()
                 rows = await replay(clients[url], models[way], trace, stream, bos, PARAMS[way], salt, new_tokens,
