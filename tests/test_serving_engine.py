@@ -6,6 +6,7 @@ mapped K/V must never reach a native request through the prefix cache, and a fai
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -167,6 +168,9 @@ def test_auto_maps_long_prompts_only_and_long_prefixes_fall_back(engine):
     short, long = prompts(bridge, (100, 400), offset=40)
     _, status = run(llm, config, [short, long], ["auto", "auto"])
     assert [s["kvbridge"] for s in status] == ["short", "mapped"]  # min_tokens 256
+    one = prompts(bridge, (1,), offset=41)[0]  # nothing before the hold-back: read natively, not a failure
+    outs, status = run(llm, config, [one], ["mapped"])
+    assert status[0]["kvbridge"] == "short" and outs[0] == run(llm, config, [one], ["native"])[0][0]
 
 
 def test_bounded_load_mixed_modes_each_answer_as_alone(engine):
@@ -197,6 +201,11 @@ def test_scores_through_the_engine_equal_bridge_and_skipped_loads_are_not_called
     eng = family_tasks(EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back), texts, 4, 192, reference=ref)
     for r, e in zip(ref, eng):
         assert e.mapped == pytest.approx(r.mapped, rel=1e-3, abs=1e-3), r.task
+    # a hold-back longer than the contexts (the family's default 256 at 256-token documents): as Bridge, all of
+    # each context but its first token is the engine's, and every request is still mapped and scored
+    long = EngineScorer(llm, config, bridge.tokenizer, 10_000)
+    assert long.held_back(list(range(150))) == 149 and long.held_back([7]) == 1
+    assert all(math.isfinite(e.mapped) for e in family_tasks(long, texts, 4, 192, reference=ref))
     # vLLM skips the prefix cache (and the connector's load) for prompt_logprobs requests unless told not to: the
     # response must not call such a request mapped
     ids = prompts(bridge, (300,), offset=50)[0]

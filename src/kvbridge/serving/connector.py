@@ -706,8 +706,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if mode == "auto" and prompt < self.config.min_tokens:
             return "short", 0
         end = prompt - hold_back
-        if end < 1:
-            return f"fallback: a prompt of {prompt} tokens is too short to hold back {hold_back}", 0
+        if end < 1:  # nothing before the hold-back: the engine reads it all, as Bridge's target reads such a prompt
+            return "short", 0
         if end > self.source_positions:
             return f"fallback: the prefix has {end} tokens, more than the source's {self.source_positions} positions", 0
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:

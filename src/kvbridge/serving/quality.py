@@ -31,6 +31,10 @@ class EngineScorer:
         self._run = os.urandom(6).hex()  # this scorer's requests' salts: apart from any other scorer's
         self._count = itertools.count()
 
+    def held_back(self, context: list[int]) -> int:
+        """The context tokens the engine computes itself: the hold-back, or all but the first (Bridge's rule)."""
+        return max(1, min(self.hold_back, len(context) - 1))
+
     def salt(self) -> str:
         """A scoring request's own cache_salt (its blocks never shared with another request's)."""
         return f"score-{self._run}-{next(self._count)}"
@@ -48,7 +52,8 @@ class EngineScorer:
             items, params = [], []
             for ctx, cont in zip(contexts[i:i + self.batch], continuations[i:i + self.batch]):
                 item, extra = mapped_request(list(ctx) + list(cont), self.config, mode, cache_salt=self.salt())
-                extra["kv_transfer_params"][HOLD_BACK] = self.hold_back + len(cont)
+                # as Bridge holds back: at most all of the context but its first token
+                extra["kv_transfer_params"][HOLD_BACK] = self.held_back(ctx) + len(cont)
                 items.append(item)
                 # prompt_logprobs would make vLLM skip the prefix cache, and with it the connector's load; vLLM
                 # 0.32 also fails detokenizing the entries of positions it did not compute (no text is needed here)
@@ -60,9 +65,9 @@ class EngineScorer:
                     if params.get(PARAM) != "mapped":
                         raise RuntimeError(f"the engine did not map a scoring request: {params}")
                     mapped = params.get("kvbridge_mapped_tokens", 0)
-                    if mapped != len(ctx) - self.hold_back:
-                        raise RuntimeError(f"a scoring request read {len(ctx) - self.hold_back - mapped} prefix tokens "
-                                           "from the prefix cache instead of mapping them")
+                    if mapped != len(ctx) - self.held_back(ctx):
+                        raise RuntimeError(f"a scoring request read {len(ctx) - self.held_back(ctx) - mapped} prefix "
+                                           "tokens from the prefix cache instead of mapping them")
                 entries = o.prompt_logprobs[len(ctx):len(ctx) + len(cont)]
                 logprob = sum(e[t].logprob for e, t in zip(entries, cont))
                 correct = sum(int(e[t].rank == 1) for e, t in zip(entries, cont))
