@@ -32,7 +32,8 @@ class EngineScorer:
         self._count = itertools.count()
 
     def held_back(self, context: list[int]) -> int:
-        """The context tokens the engine computes itself: the hold-back, or all but the first (Bridge's rule)."""
+        """The context tokens the engine computes itself: the hold-back, or all but the first of ``context`` (Bridge's
+        rule, applied to a call's shortest context as Bridge applies it to a batch's)."""
         return max(1, min(self.hold_back, len(context) - 1))
 
     def salt(self) -> str:
@@ -46,14 +47,14 @@ class EngineScorer:
         from . import mapped_request
 
         check_per_context(contexts, continuations, per_context)
+        held = self.held_back(min(contexts, key=len))  # one count per call, as Bridge holds back per batch
         contexts = [c for c in contexts for _ in range(per_context)]  # one request per continuation, as before
         out = []
         for i in range(0, len(contexts), self.batch):
             items, params = [], []
             for ctx, cont in zip(contexts[i:i + self.batch], continuations[i:i + self.batch]):
                 item, extra = mapped_request(list(ctx) + list(cont), self.config, mode, cache_salt=self.salt())
-                # as Bridge holds back: at most all of the context but its first token
-                extra["kv_transfer_params"][HOLD_BACK] = self.held_back(ctx) + len(cont)
+                extra["kv_transfer_params"][HOLD_BACK] = held + len(cont)
                 items.append(item)
                 # prompt_logprobs would make vLLM skip the prefix cache, and with it the connector's load; vLLM
                 # 0.32 also fails detokenizing the entries of positions it did not compute (no text is needed here)
@@ -65,9 +66,9 @@ class EngineScorer:
                     if params.get(PARAM) != "mapped":
                         raise RuntimeError(f"the engine did not map a scoring request: {params}")
                     mapped = params.get("kvbridge_mapped_tokens", 0)
-                    if mapped != len(ctx) - self.held_back(ctx):
-                        raise RuntimeError(f"a scoring request read {len(ctx) - self.held_back(ctx) - mapped} prefix "
-                                           "tokens from the prefix cache instead of mapping them")
+                    if mapped != len(ctx) - held:
+                        raise RuntimeError(f"a scoring request read {len(ctx) - held - mapped} prefix tokens from the "
+                                           "prefix cache instead of mapping them")
                 entries = o.prompt_logprobs[len(ctx):len(ctx) + len(cont)]
                 logprob = sum(e[t].logprob for e, t in zip(entries, cont))
                 correct = sum(int(e[t].rank == 1) for e, t in zip(entries, cont))
