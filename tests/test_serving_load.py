@@ -187,9 +187,9 @@ def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper
     from kvbridge.serving.commands import _load_source_argv
 
     argv = _load_source_argv(["--mapper", "m", "--target=t", "--max-model-len", "2048", "--recompute", "0",
-                              "--hold-back", "4"], "/tmp/s")
+                              "--hold-back", "4", "--block-size", "64", "--connector-dtype", "bfloat16"], "/tmp/s")
     assert argv == ["--store", "/tmp/s", "--map-ahead", "--served-model-name", "load-source", "--mapper", "m",
-                    "--target", "t", "--max-model-len", "2048"]
+                    "--target", "t", "--max-model-len", "2048", "--block-size", "64", "--map-dtype", "bfloat16"]
 
 
 def test_the_warm_way_waits_for_the_sources_maps_ahead(tmp_path):

@@ -344,7 +344,7 @@ def test_the_load_benchmarks_warm_way_reads_what_the_source_stored(servers):
     (unloaded, loaded) = asyncio.run(run_ways(
         {"warm": servers[1]}, {"warm": "kvbridge-family"}, ["warm"], [4.0], {4.0: trace}, trace[:2], stream,
         tokenizer.bos_token_id, 4, f"test-{time.time_ns()}", progress=lambda m: None, replicates=100,
-        source=(servers[0], "kvbridge-family-source"), settle_s=1.0))
+        source=(servers[0], "kvbridge-family-source"), store=str(servers[2] / "store"), settle_s=1.0))
     for result, requests in ((unloaded, 2), (loaded, 3)):
         c = result.counters  # every prompt of 300+ tokens has 2+ full 128-token blocks before its held-back token
         assert c["requests"] == requests and c["kvbridge_mapped"] == requests and c["kvbridge_fallback"] == 0

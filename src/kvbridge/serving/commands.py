@@ -843,10 +843,13 @@ def _load_source_argv(rest: list[str], store: str) -> list[str]:
 
     argv = ["--store", store, "--map-ahead", "--served-model-name", "load-source"]
     for flag in ("--source", "--source-revision", "--mapper", "--mapper-revision", "--target", "--target-revision",
-                 "--max-model-len", "--max-num-seqs"):
+                 "--max-model-len", "--max-num-seqs", "--block-size", "--gpu-memory-utilization"):
         value = flag_value(rest, flag)
         if value is not None:
             argv += [flag, value]
+    dtype = flag_value(rest, "--connector-dtype")  # the target reads entries mapped in its connector's dtype only
+    if dtype not in (None, "auto"):
+        argv += ["--map-dtype", dtype]
     return argv
 
 

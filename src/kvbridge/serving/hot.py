@@ -124,7 +124,7 @@ class HotEntries:
     def _run(self) -> None:
         single_threaded()
         cursor = None
-        run: tuple[float | None, int] = (None, 0)  # (first announcement's load began, entries) since the last quiet
+        run: tuple[float | None, int] = (None, 0)  # (when a run of announcements began, self.loaded before it)
         while not self._stop.wait(POLL_S):
             try:
                 self._jobs_now()
@@ -134,6 +134,7 @@ class HotEntries:
                 paths, cursor = store.announced(cursor)
                 since = time.monotonic()
                 batch = list(dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)))
+                before = self.loaded
                 for path in batch:
                     self.clock.wait(since)  # the engine's steps first (at most DEFER_S for the whole batch)
                     try:
@@ -143,12 +144,12 @@ class HotEntries:
                         self._warn(exc)
                     self._jobs_now()
                 if batch:  # a run of announcements: logged once the journal is quiet again
-                    run = (run[0] or since, run[1] + len(batch))
-                elif run[1]:
-                    if run[1] >= BATCH_LOG and self.logger is not None:
+                    run = run if run[0] is not None else (since, before)
+                elif run[0] is not None:
+                    if self.loaded - run[1] >= BATCH_LOG and self.logger is not None:
                         self.logger.info("kvbridge connector: %d announced blocks loaded into memory over %.2f s "
-                                         "(%d held, %.0f MB)", run[1], time.monotonic() - run[0], len(self),
-                                         self._bytes / 1e6)
+                                         "(%d held, %.0f MB)", self.loaded - run[1], time.monotonic() - run[0],
+                                         len(self), self._bytes / 1e6)
                     run = (None, 0)
             except Exception as exc:  # prefetching is a hint: a failure leaves the folder's path as it was
                 self._warn(exc)
