@@ -46,6 +46,12 @@ MODES = ("mapped", "native", "source")
 
 
 @torch.no_grad()
+def held_back_tokens(hold_back: int, shortest: int) -> int:
+    """Prompt tokens the target reads itself when the shortest prompt of a batch has ``shortest`` tokens:
+    ``hold_back``, or all but the first (the source prefills at least one token of each)."""
+    return max(1, min(hold_back, shortest - 1))
+
+
 def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, positions: torch.Tensor,
                      chunk_tokens: int = 1024, state: torch.Tensor | None = None,
                      premapped: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
@@ -245,7 +251,7 @@ class Bridge(PromptBatches):
         not longer (the source prefills at least one token of each). One count per batch: a short prompt lowers
         it for its batch-mates, whose results then differ slightly from the same prompts run alone."""
         shortest = mask.shape[1] if assumed_unpadded() else int(mask.sum(-1).min())
-        return max(1, min(self.hold_back, shortest - 1))
+        return held_back_tokens(self.hold_back, shortest)
 
     @property
     def selects_tokens(self) -> bool:

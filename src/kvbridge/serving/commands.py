@@ -933,7 +933,7 @@ def _cmd_load_bench(args) -> int:
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
                                            tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
-                                           store=store if source else None, settle_s=args.warm_settle))
+                                           store=store, settle_s=args.warm_settle))
         except openai.OpenAIError as exc:
             raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "

@@ -225,7 +225,7 @@ class WayResult:
     counters: dict  # the engine's counters' deltas over the run
     computed_share: float  # of the prompt tokens, the share the target's engine computed itself
     late_ms_max: float  # the latest any request was sent after its arrival (the client keeping up)
-    ttft_by_request: list = None  # ms, in the trace's order (where the stalls fall)
+    ttft_by_request: list | None = None  # ms, in the trace's order (where the stalls fall)
 
 
 def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, before: dict, after: dict,

@@ -20,6 +20,7 @@ import os
 import time
 
 from ..scoring import Score, check_per_context
+from ..transfer import held_back_tokens
 from .config import HOLD_BACK, PARAM, ServeConfig
 
 
@@ -32,9 +33,9 @@ class EngineScorer:
         self._count = itertools.count()
 
     def held_back(self, context: list[int]) -> int:
-        """The context tokens the engine computes itself: the hold-back, or all but the first of ``context`` (Bridge's
-        rule, applied to a call's shortest context as Bridge applies it to a batch's)."""
-        return max(1, min(self.hold_back, len(context) - 1))
+        """The context tokens the engine computes itself: Bridge's rule (:func:`kvbridge.transfer.held_back_tokens`),
+        applied to a call's shortest context as Bridge applies it to a batch's."""
+        return held_back_tokens(self.hold_back, len(context))
 
     def salt(self) -> str:
         """A scoring request's own cache_salt (its blocks never shared with another request's)."""
