@@ -6,16 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..core.outputs import check_output_dir, check_output_file, write_text
+from ..errors import KVBridgeError
+from ..family import FAMILIES, describe
+from ..version import __version__
 from .console import EPILOG
 from .console import check_results as _check_results
 from .console import counts as _contexts
 from .console import log as _log
 from .console import require as _require
-from .errors import KVBridgeError
-from .family import FAMILIES, describe
-from .outputs import check_output_dir, check_output_file, write_text
-from .serving.commands import SUMMARIES as SERVING_SUMMARIES
-from .version import __version__
+from .serving import SUMMARIES as SERVING_SUMMARIES
 
 FAMILY_NAMES = tuple(FAMILIES)
 
@@ -72,8 +72,8 @@ def _layer_count(text: str) -> int | None:
 
 
 def _add_levers(p: argparse.ArgumentParser) -> None:
-    from .fit import FitConfig
-    from .recompute import CRITERIA
+    from ..core.recompute import CRITERIA
+    from ..fit.closed_form import FitConfig
 
     d = FitConfig()
     g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
@@ -174,7 +174,7 @@ def _lever_settings(args) -> dict:
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
-    from .fit import FitConfig
+    from ..fit.closed_form import FitConfig
 
     top_k = FitConfig().top_k
     p.add_argument("--num-texts", type=int, default=160,
@@ -212,7 +212,7 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
 
 
 def _fit_config(args):
-    from .fit import FitConfig
+    from ..fit.closed_form import FitConfig
 
     return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
                      ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
@@ -552,10 +552,10 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- commands ----------------------------------------------------------------------------------
 def _cmd_fit(args) -> int:
-    from . import distributed
-    from .artifact import check_writable_artifact_dir
-    from .models import check_device
-    from .texts import read_texts
+    from ..core.artifact import check_writable_artifact_dir
+    from ..core.models import check_device
+    from ..fit import distributed
+    from ..fit.texts import read_texts
 
     config = _fit_config(args)
     texts = read_texts(args.texts)
@@ -575,10 +575,10 @@ def _cmd_fit(args) -> int:
 
 
 def _fit_and_write(args, config, texts, out, device) -> int:
-    from . import distributed
-    from .fit import fit_mapper
-    from .mapper import check_mapper
-    from .models import check_device, load_model, resolve_dtype
+    from ..core.mapper import check_mapper
+    from ..core.models import check_device, load_model, resolve_dtype
+    from ..fit import distributed
+    from ..fit.closed_form import fit_mapper
 
     dtype = resolve_dtype(args.dtype, device)
     if args.target_device:
@@ -619,14 +619,14 @@ def _cmd_plan(args) -> int:
 
     import torch
 
-    from .models import default_dtype, resolve_dtype
-    from .plan import model_shape, plan, plan_table, read_config
+    from ..core.models import default_dtype, resolve_dtype
+    from ..measure.plan import model_shape, plan, plan_table, read_config
 
     config = _fit_config(args)
     if config.rank is not None or config.rank_flops is not None or config.head_blocks is not None:
         raise KVBridgeError("plan does not model reduced-rank or head-blocked maps yet; plan without "
                             "--rank/--rank-flops/--head-blocks (the full maps: an upper bound on memory; `python -m "
-                            "kvbridge.bench_real --plan` prices their FLOPs at the Ministral-3 geometry).")
+                            "kvbridge.measure.bench_real --plan` prices their FLOPs at the Ministral-3 geometry).")
     contexts = tuple(_contexts(args.contexts, minimum=1)) if args.contexts is not None else None
     if args.batch < 1:
         raise KVBridgeError("--batch must be at least 1.")
@@ -695,7 +695,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from ..measure.demo import run_demo
 
     run_demo(out=args.out, quick=args.quick, progress=not args.quiet, refit=args.refit, name=args.family)
     return 0
@@ -704,10 +704,10 @@ def _cmd_demo(args) -> int:
 def _cmd_frontier(args) -> int:
     from dataclasses import replace
 
-    from . import family
-    from .frontier import FAMILY_GRIDS, GRIDS, frontier_table, run_frontier
-    from .models import load_model
-    from .texts import read_texts
+    from .. import family
+    from ..core.models import load_model
+    from ..fit.texts import read_texts
+    from ..measure.frontier import FAMILY_GRIDS, GRIDS, frontier_table, run_frontier
 
     if bool(args.source) != bool(args.target):
         raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
@@ -744,7 +744,7 @@ def _cmd_frontier(args) -> int:
 def _cmd_bench(args) -> int:
     import json
 
-    from .bench import bench_table, device_name, plot_bench, run_bench
+    from ..measure.bench import bench_table, device_name, plot_bench, run_bench
 
     contexts = _contexts(args.contexts, minimum=2)  # one token is the held-back one: nothing to map
     if args.trials < 1 or args.warmup < 0 or args.batch < 1:
@@ -768,7 +768,7 @@ def _cmd_bench(args) -> int:
 
 
 def _bridge(args):
-    from .transfer import Bridge
+    from ..core.transfer import Bridge
 
     return Bridge.from_pretrained(
         args.source, args.target, args.mapper, source_revision=args.source_revision,
@@ -781,8 +781,8 @@ def _bridge(args):
 def _cmd_gap(args) -> int:
     import shlex
 
-    from .gap import TASKS, GapConfig, gap_table, provenance, run_gap, write_report
-    from .texts import read_texts
+    from ..fit.texts import read_texts
+    from ..measure.gap import TASKS, GapConfig, gap_table, provenance, run_gap, write_report
 
     if args.table:
         import json
@@ -806,13 +806,13 @@ def _cmd_gap(args) -> int:
     if not args.mapper:
         if args.family != "default":
             raise KVBridgeError("only the default family ships a mapper: pass --mapper (fit one with kvbridge fit).")
-        from . import family
+        from .. import family
 
         args.mapper = family.mapper_path()
     if args.texts:
         texts, label = read_texts(args.texts), args.texts
     else:
-        from .family.external import external_texts
+        from ..family.external import external_texts
 
         texts, label = external_texts(args.split, args.kind), f"third-party {args.kind}, {args.split} packages"
     bridge = _bridge(args)
@@ -835,7 +835,7 @@ def _cmd_eval(args) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _require("lm_eval", "eval", "kvbridge eval")
-    from .lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
+    from ..measure.lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -860,7 +860,7 @@ def _cmd_eval(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        from .bench import device_name
+        from ..measure.bench import device_name
 
         payload = {"protocol": {"name": args.protocol, "num_fewshot": fewshot}, "rows": rows,
                    "device": device_name(bridge.target.device),
@@ -877,8 +877,8 @@ def _cmd_eval(args) -> int:
 def _cmd_diagnose(args) -> int:
     import json
 
-    from .diagnose import diagnose, oracle, oracle_cell, plot_diagnostics
-    from .texts import read_texts
+    from ..fit.texts import read_texts
+    from ..measure.diagnose import diagnose, oracle, oracle_cell, plot_diagnostics
 
     texts = read_texts(args.texts)
     if args.items < 4 or args.seq_len < 128:
@@ -930,8 +930,8 @@ def _cmd_lm_eval(args) -> int:
 
     from lm_eval.__main__ import cli_evaluate
 
-    from . import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
-    from .lm_eval_tasks import local_task_dir
+    from ..measure import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
+    from ..measure.lm_eval_tasks import local_task_dir
 
 
     argv = list(args.lm_eval_args)
@@ -957,8 +957,8 @@ def _cmd_lm_eval(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from .artifact import CONFIG_FILE, read_run_report, resolve
-    from .mapper import check_mapper, read_config
+    from ..core.artifact import CONFIG_FILE, read_run_report, resolve
+    from ..core.mapper import check_mapper, read_config
 
     directory = resolve(args.mapper, args.revision)
     problems = check_mapper(directory)
@@ -995,7 +995,7 @@ def _cmd_inspect(args) -> int:
         for kind in ("key", "value"):
             fitted, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
             print(f"R² {kind:6s} fit {_number(fitted)}" + (f", held-out {_number(held)}" if held is not None else ""))
-    from .bench import map_flops
+    from ..measure.bench import map_flops
 
     print(f"map       {map_flops(config, 1) / 1e6:,.3f} MFLOP per token (keys and values)")
     for kind in ("key", "value"):  # fast maps: reduced rank, head blocks (1: the full map)
@@ -1018,8 +1018,8 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .artifact import ARTIFACT_FILES, RUN_REPORT_FILE, leftovers, resolve
-    from .mapper import check_mapper
+    from ..core.artifact import ARTIFACT_FILES, RUN_REPORT_FILE, leftovers, resolve
+    from ..core.mapper import check_mapper
 
     directory = resolve(args.mapper, args.revision, files=ARTIFACT_FILES)
     problems = check_mapper(directory)
@@ -1038,7 +1038,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_card(args) -> int:
-    from .card import write_card
+    from ..release.card import write_card
 
     written = write_card(args.mapper, eval_dir=args.eval, bench_json=args.bench, frontier_dir=args.frontier,
                          demo_json=args.demo, repo_id=args.repo_id, license_id=args.license, force=args.force)
@@ -1051,11 +1051,11 @@ def _cmd_card(args) -> int:
 
 
 def _cmd_push(args) -> int:
-    from .artifact import KNOWN_FILES
-    from .card import CARD_FILE
-    from .errors import ArtifactError
-    from .hub import push_folder
-    from .mapper import require_verified
+    from ..core.artifact import KNOWN_FILES
+    from ..core.hub import push_folder
+    from ..core.mapper import require_verified
+    from ..errors import ArtifactError
+    from ..release.card import CARD_FILE
 
     folder = require_verified(args.mapper, "pushed")
     files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())
@@ -1096,7 +1096,7 @@ def _family_pair(args) -> None:
     if args.family:
         if args.source or args.target or args.source_revision or args.target_revision:
             raise KVBridgeError("give --family or --source/--target (and their revisions), not both.")
-        from . import family
+        from .. import family
 
         args.source, args.target = family.source_path(args.family), family.target_path(args.family)
     elif not (args.source and args.target):
@@ -1104,7 +1104,7 @@ def _family_pair(args) -> None:
                             f"{'|'.join(FAMILY_NAMES)} for an embedded family.")
 
 
-# their parsers and handlers live in kvbridge.serving.commands
+# their parsers and handlers live in kvbridge.cli.serving
 SERVING = tuple(SERVING_SUMMARIES)
 LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
 
@@ -1126,7 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
         args = argparse.Namespace(command="lm-eval", lm_eval_args=argv[1:])
     elif argv[:1] and argv[0] in SERVING:  # their own parsers: options kvbridge does not know go to vLLM
-        from .serving import commands
+        from . import serving as commands
 
         args = commands.parse(argv[0], argv[1:])
     else:
@@ -1134,7 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _family_pair(args)
         if args.command in SERVING:
-            from .serving import commands
+            from . import serving as commands
 
             return commands.COMMANDS[args.command](args)
         return COMMANDS[args.command](args)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .errors import KVBridgeError
-from .outputs import check_output_file, check_plot_file
+from ..core.outputs import check_output_file, check_plot_file
+from ..errors import KVBridgeError
 
 EPILOG = "Models are local folders or hub ids (pin them with --source-revision/--target-revision)."
 

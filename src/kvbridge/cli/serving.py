@@ -12,9 +12,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from ..console import EPILOG, check_results, counts, log, require
+from ..core.outputs import check_output_file
 from ..errors import KVBridgeError
-from ..outputs import check_output_file
+from .console import EPILOG, check_results, counts, log, require
 
 
 def add_pair(p: argparse.ArgumentParser) -> None:
@@ -41,9 +41,9 @@ def add_pair(p: argparse.ArgumentParser) -> None:
 def pair_config(args, **settings):
     """``(ServeConfig, served model name, is the family)`` from the pair options (hub ids resolved to folders)."""
     from .. import family
-    from ..artifact import resolve
-    from ..models import check_device, resolve_model
-    from .config import ServeConfig
+    from ..core.artifact import resolve
+    from ..core.models import check_device, resolve_model
+    from ..serving.engine.config import ServeConfig
 
     if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
         raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
@@ -67,7 +67,7 @@ def pair_config(args, **settings):
 
 
 def add_native_rest(group) -> None:
-    from .config import ServeConfig
+    from ..serving.engine.config import ServeConfig
 
     default = ServeConfig(mapper="-", source="-", target="-").native_rest
     group.add_argument("--native-rest", type=int, default=default, metavar="N",
@@ -140,7 +140,7 @@ def add_lmcache(p, owner: bool, bench: bool = False) -> None:
 def lmcache_server(args, log_dir: str | Path | None = None):
     """The LMCache URL ``--lmcache`` names (None without it); with ``auto``, a server started here (its log in
     ``log_dir``) and stopped, by its own process id, when the block ends."""
-    from .lmcache_store import normal_url, start_server
+    from ..serving.store.lmcache_store import normal_url, start_server
 
     if not getattr(args, "lmcache", None):
         yield None
@@ -159,7 +159,7 @@ def lmcache_server(args, log_dir: str | Path | None = None):
         try:
             yield url
         finally:
-            from .lmcache_store import stop_server
+            from ..serving.store.lmcache_store import stop_server
 
             stop_server(process)
 
@@ -171,7 +171,7 @@ def store_memory_bytes(args) -> int:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from .config import MODES, ServeConfig
+    from ..serving.engine.config import MODES, ServeConfig
 
     d = ServeConfig(mapper="-", source="-", target="-")
     p = argparse.ArgumentParser(
@@ -227,7 +227,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def _cmd_serve(args) -> int:
     from .. import family
-    from .server import break_even, serve
+    from ..serving.launch import break_even, serve
 
     min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
     config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
@@ -259,11 +259,11 @@ def _cmd_serve_eval(args) -> int:
     import json
 
     from .. import family
-    from ..outputs import write_text
-    from ..transfer import Bridge
-    from .config import engine_kwargs
-    from .quality import engine_retention, retention_rows
-    from .server import cpu_defaults
+    from ..core.outputs import write_text
+    from ..core.transfer import Bridge
+    from ..serving.bench.quality import engine_retention, retention_rows
+    from ..serving.engine.config import engine_kwargs
+    from ..serving.launch import cpu_defaults
 
     lengths = counts(args.lengths, minimum=64, flag="--lengths")
     if args.items < 4:
@@ -272,14 +272,14 @@ def _cmd_serve_eval(args) -> int:
         check_output_file(args.json, "--json")
     config, _, _ = pair_config(args)
     require("vllm", "serve", "kvbridge serve-eval")
-    from .server import preflight
+    from ..serving.launch import preflight
 
     preflight(config)
     if config.device == "cpu":
         cpu_defaults()
     from vllm import LLM
 
-    from ..models import resolve_dtype
+    from ..core.models import resolve_dtype
 
     dtype = resolve_dtype(config.dtype, config.device)
     bridge = Bridge.from_pretrained(config.source, config.target, config.mapper, device=config.device, dtype=dtype,
@@ -327,9 +327,9 @@ def _cmd_serve_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import family
-    from ..models import resolve_model
-    from .bench import engine_table, plot_engine, run_engine_bench, write_report
-    from .server import launched
+    from ..core.models import resolve_model
+    from ..serving.bench.ttft import engine_table, plot_engine, run_engine_bench, write_report
+    from ..serving.launch import launched
 
     contexts = counts(args.contexts, minimum=2)
     concurrency = counts(args.concurrency, minimum=1, flag="--concurrency")
@@ -337,7 +337,7 @@ def _cmd_serve_bench(args) -> int:
         raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
     check_results(args, "kvbridge serve-bench")
     require("openai", "serve", "kvbridge serve-bench")
-    from .server import flag_value, given_flags
+    from ..serving.launch import flag_value, given_flags
 
     rest = list(args.serve_args)
     given = given_flags(rest)
@@ -391,7 +391,7 @@ def _cmd_serve_bench(args) -> int:
 
 
 def _serve_source_parser() -> argparse.ArgumentParser:
-    from .cascade import default_store
+    from ..serving.bench.cascade import default_store
 
     p = argparse.ArgumentParser(
         prog="kvbridge serve-source",
@@ -437,10 +437,10 @@ def _store_config(args, source: str | None = None):
     """The source engine's store settings; with map-ahead (``source``: the served source's folder) the mapper and
     target, resolved and checked against the source before vLLM starts."""
     from .. import family
-    from ..artifact import resolve
-    from ..models import resolve_model
-    from .config import ServeConfig, StoreConfig
-    from .server import preflight
+    from ..core.artifact import resolve
+    from ..core.models import resolve_model
+    from ..serving.engine.config import ServeConfig, StoreConfig
+    from ..serving.launch import preflight
 
     if not args.store_cap_gb > 0:
         raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
@@ -450,8 +450,8 @@ def _store_config(args, source: str | None = None):
         return store
     mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
     target = resolve_model(args.target, args.target_revision) if args.target else family.target_path()
-    from ..models import resolve_dtype
-    from .config import check_map_ahead
+    from ..core.models import resolve_dtype
+    from ..serving.engine.config import check_map_ahead
 
     preflight(ServeConfig(mapper=mapper, source=source, target=target))  # one line, before vLLM loads anything
     check_map_ahead(mapper)
@@ -462,8 +462,8 @@ def _store_config(args, source: str | None = None):
 
 def _cmd_serve_source(args) -> int:
     from .. import family
-    from ..models import resolve_model
-    from .server import serve_source
+    from ..core.models import resolve_model
+    from ..serving.launch import serve_source
 
     if not args.storing and (args.prewarm or args.map_ahead or args.mapper or args.target or args.mapper_revision or
                              args.target_revision or args.map_dtype != "auto"):
@@ -488,7 +488,7 @@ def _cmd_serve_source(args) -> int:
 
 
 def _cascade_parser() -> argparse.ArgumentParser:
-    from .cascade import default_store
+    from ..serving.bench.cascade import default_store
 
     p = argparse.ArgumentParser(
         prog="kvbridge cascade",
@@ -543,8 +543,8 @@ def pair_argv(args, lmcache: str | None = None) -> tuple[list[str], list[str]]:
 
 
 def _cmd_cascade(args) -> int:
-    from .cascade import launched_pair
-    from .server import target_parallel
+    from ..serving.bench.cascade import launched_pair
+    from ..serving.launch import target_parallel
 
     target_parallel(args.vllm_args)  # before anything starts: the target's connector would refuse it later
     _store_config(args)
@@ -627,8 +627,8 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
 def _cascade_table_of(path: str) -> int:
     import json
 
-    from ..outputs import write_text
-    from .cascade import cascade_table, per_conversation
+    from ..core.outputs import write_text
+    from ..serving.bench.cascade import cascade_table, per_conversation
 
     try:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -650,8 +650,8 @@ def _cmd_cascade_bench(args) -> int:
     import openai
     from transformers import AutoTokenizer
 
-    from .cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
-    from .server import target_parallel
+    from ..serving.bench.cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
+    from ..serving.launch import target_parallel
 
     if args.table:
         return _cascade_table_of(args.table)
@@ -722,7 +722,7 @@ def _cmd_cascade_bench(args) -> int:
 
 def _check_lmcache_pair(args) -> None:
     """cascade-bench's LMCache options, checked before anything starts."""
-    from .lmcache_store import normal_url
+    from ..serving.store.lmcache_store import normal_url
 
     if (args.lmcache_source_url is None) != (args.lmcache_target_url is None):
         raise KVBridgeError("give --lmcache-source-url and --lmcache-target-url together (a running `kvbridge "
@@ -750,7 +750,7 @@ def _lmcache_pair(args):
     if not args.lmcache:
         yield None
         return
-    from .cascade import launched_pair
+    from ..serving.bench.cascade import launched_pair
 
     logs = Path(args.log_dir) / "lmcache"
     with lmcache_server(args, logs) as url:
@@ -767,8 +767,8 @@ def _baseline(args):
     if not args.source_baseline:
         yield None
         return
-    from .server import launched
-    from .store import STORE_FILE, KVStore
+    from ..serving.launch import launched
+    from ..serving.store.folder import STORE_FILE, KVStore
 
     argv = ["--no-store"]
     for flag in ("source", "source_revision"):
@@ -802,7 +802,7 @@ def _device() -> str:
 
 
 def _load_bench_parser() -> argparse.ArgumentParser:
-    from .load import SETTLE_S, WAYS
+    from ..serving.bench.load import SETTLE_S, WAYS
 
     p = argparse.ArgumentParser(
         prog="kvbridge load-bench",
@@ -839,7 +839,7 @@ def _load_bench_parser() -> argparse.ArgumentParser:
 def _load_source_argv(rest: list[str], store: str) -> list[str]:
     """``kvbridge serve-source`` arguments for load-bench's warm way: storing into ``store`` and mapping ahead with the
     kvbridge server's own pair and mapper (those of its flags in ``rest``), at its engine sizes."""
-    from .server import flag_value
+    from ..serving.launch import flag_value
 
     argv = ["--store", store, "--map-ahead", "--served-model-name", "load-source"]
     for flag in ("--source", "--source-revision", "--mapper", "--mapper-revision", "--target", "--target-revision",
@@ -864,12 +864,12 @@ def _cmd_load_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import family
-    from ..models import resolve_model
-    from ..outputs import write_text
-    from ..suite import _commit
-    from .bench import heldout_stream
-    from .load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
-    from .server import flag_value, given_flags, launched_together
+    from ..core.models import resolve_model
+    from ..core.outputs import write_text
+    from ..measure.suite import _commit
+    from ..serving.bench.load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
+    from ..serving.bench.ttft import heldout_stream
+    from ..serving.launch import flag_value, given_flags, launched_together
 
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]

@@ -1,8 +1,8 @@
 """Artifact folders on disk: writing them atomically, verifying checksums, reading headers and tensors.
 
 It knows the folder's files (their names), checksums and safetensors, not what a mapper's tensors
-mean — the mapper fills in its part (:meth:`kvbridge.mapper.Mapper.save_pretrained` /
-``from_pretrained``; the JSON format is in :mod:`kvbridge.schema`).
+mean — the mapper fills in its part (:meth:`kvbridge.core.mapper.Mapper.save_pretrained` /
+``from_pretrained``; the JSON format is in :mod:`kvbridge.core.schema`).
 
 A mapper folder holds::
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .errors import ArtifactError, InputError
+from ..errors import ArtifactError, InputError
 from .hashing import sha256_file
 from .hub import snapshot
 from .outputs import check_output_dir, umask
@@ -49,7 +49,7 @@ CHECKSUMS_FILE = "checksums.sha256"
 RUN_REPORT_FILE = "fit_report.json"  # volatile measurements of the fit: not part of the artifact's identity
 ARTIFACT_FILES = [WEIGHTS_FILE, CONFIG_FILE, CHECKSUMS_FILE]
 DOWNLOAD_FILES = [*ARTIFACT_FILES, RUN_REPORT_FILE]
-CARD_FILES = ("README.md", "artifact_manifest.json", "example.py")  # written by `kvbridge card` (kvbridge.card)
+CARD_FILES = ("README.md", "artifact_manifest.json", "example.py")  # written by `kvbridge card` (kvbridge.release.card)
 KNOWN_FILES = frozenset([*DOWNLOAD_FILES, *CARD_FILES])
 def is_artifact_dir(directory: Path) -> bool:
     """Whether ``directory`` holds a kvbridge mapper (its mapper.json says so), whatever state its files are in."""
@@ -315,7 +315,7 @@ def verify_artifact(directory: str | Path) -> list[str]:
 
 
 def read_config_json(directory: str | Path) -> Any:
-    """The parsed ``mapper.json`` of an artifact folder (validation: :func:`kvbridge.schema.validate`)."""
+    """The parsed ``mapper.json`` of an artifact folder (validation: :func:`kvbridge.core.schema.validate`)."""
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: not a mapper folder, or an incomplete artifact.")

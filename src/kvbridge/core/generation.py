@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 from .models import with_cache
 from .prompts import check_generation, pad_token_id
 from .recompute import reading

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import InputError, KVBridgeError
+from ..errors import InputError, KVBridgeError
 
 _SNAPSHOT_RE = re.compile(r"snapshots[/\\]([0-9a-f]{40})(?:[/\\]|$)")
 

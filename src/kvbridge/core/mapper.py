@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import ArtifactError
 from . import artifact, schema
-from .errors import ArtifactError
 from .models import ModelInfo, check_matches, check_same_tokenizer, position_limit
 from .recompute import CRITERIA, is_window
 
@@ -104,7 +104,7 @@ class RuntimeOptions:
 
     ``hold_back``: last prompt tokens the target reads itself (fewer for a batch whose shortest prompt
     is not longer); ``recompute``: fraction of the prefix
-    tokens the target recomputes over the mapped cache (:mod:`kvbridge.recompute`), chosen by
+    tokens the target recomputes over the mapped cache (:mod:`kvbridge.core.recompute`), chosen by
     ``recompute_by`` averaged over a ``recompute_window`` of tokens (odd; 1: each token's own score, as
     artifacts without the field were used); ``sink``: always recompute each row's first token;
     ``native_layers``: the target computes its first N layers' K/V itself over the whole prompt (its own prefill,
@@ -148,7 +148,7 @@ class RuntimeOptions:
         mistake, so they raise :class:`~kvbridge.errors.InputError`, not ArtifactError."""
         from dataclasses import replace
 
-        from .errors import InputError
+        from ..errors import InputError
 
         if hold_back is not None and (not isinstance(hold_back, int) or isinstance(hold_back, bool)):
             raise InputError(f"hold_back must be an integer, not {hold_back!r}.")
@@ -400,9 +400,9 @@ class MapperConfig:
                             "levers": [v.to_dict() for v in self.levers], "layout": schema.FEATURE_LAYOUT,
                             "geometry": geometry} | ranks)[:32]
 
-    # -- mapper.json (the format's name, version and validation: kvbridge.schema) ---------------
+    # -- mapper.json (the format's name, version and validation: kvbridge.core.schema) ---------------
     def to_dict(self) -> dict[str, Any]:
-        from .version import __version__
+        from ..version import __version__
 
         return {
             "format": schema.FORMAT,
@@ -839,7 +839,7 @@ class Mapper:
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write ``mapper.safetensors`` (float32, the bigram keys int64), ``mapper.json``, ``checksums.sha256``
-        and the fit's ``fit_report.json`` atomically (see :func:`kvbridge.artifact.write_artifact`)."""
+        and the fit's ``fit_report.json`` atomically (see :func:`kvbridge.core.artifact.write_artifact`)."""
         tensors = {name: t.detach().to("cpu", None if name in INTEGER_TENSORS else torch.float32).contiguous()
                    for name, t in self.weights.items()}
         return artifact.write_artifact(directory, self.config.to_dict(), tensors, self.run_report,
@@ -877,7 +877,7 @@ class Mapper:
 
     def _check_inputs(self, keys, values, past: int, state=None) -> None:
         """The source's per-layer K/V as ``map`` needs them, or one InputError that says what differs."""
-        from .errors import InputError
+        from ..errors import InputError
 
         s = self.config.source
         want = (s.num_kv_heads, s.head_dim)
@@ -964,7 +964,7 @@ def read_config(directory: str | Path) -> MapperConfig:
 def require_verified(folder: str | Path, nothing_was: str) -> Path:
     """The mapper folder ``folder``, refused unless it is a folder that :func:`check_mapper` passes
     (``nothing_was``: what the caller did not do, e.g. "written", for the message)."""
-    from .errors import InputError
+    from ..errors import InputError
 
     folder = Path(folder)
     if not folder.is_dir():

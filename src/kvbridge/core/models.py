@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CompatibilityError, InputError, ModelLoadError, UnsupportedModelError
+from ..errors import CompatibilityError, InputError, ModelLoadError, UnsupportedModelError
 from .hashing import sha256_bytes, sha256_json
 from .hub import is_hub_id, snapshot
 from .rope import RopeSpec, rope_spec

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def _probe(folder: Path, what: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def check_text(text: Any, what: str) -> None:

@@ -221,8 +221,8 @@ def _scatter_layer_class():
                                    "part-way; the cache is half recomputed. Build a new one.")
             if not self.pending.armed:  # read by a forward that does not carry the chosen tokens: refuse
                 raise RuntimeError("a kvbridge cache that owes a selective recompute was read outside "
-                                   "kvbridge.recompute.reading(model); use Bridge.prefix_cache(...) for a complete "
-                                   "cache.")
+                                   "kvbridge.core.recompute.reading(model); use Bridge.prefix_cache(...) for a "
+                                   "complete cache.")
             n = self.index.shape[2]
             at = self.index.expand(-1, self.keys.shape[1], -1, self.keys.shape[3])
             self.keys.scatter_(2, at, key_states[:, :, :n].to(self.keys.dtype))
@@ -266,7 +266,7 @@ def owing_cache(model, cache, ids: torch.Tensor, mask: torch.Tensor, positions: 
     ids, mask, positions, columns = (x.to(device) for x in (ids, mask, positions, columns))
     keys, values = cache_kv(cache)
     if any(k.shape[2] != ids.shape[1] for k in keys):
-        from .errors import UnsupportedModelError
+        from ..errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"selective recompute needs every prefix column in the cache, but this target's sliding-window layers "

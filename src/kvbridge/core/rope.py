@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 # Architectures whose attention rotates full keys with the half-split `rotate_half` layout.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3")

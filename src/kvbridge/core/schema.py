@@ -2,7 +2,7 @@
 
 Validation runs on the raw JSON before any object is built, so a malformed field is one
 :class:`~kvbridge.errors.ArtifactError` that names it, never a TypeError from deep inside. The typed
-side of the format is :meth:`kvbridge.mapper.MapperConfig.to_dict` / ``from_dict``.
+side of the format is :meth:`kvbridge.core.mapper.MapperConfig.to_dict` / ``from_dict``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 FORMAT = "kvbridge-mapper"
 FORMAT_VERSION = 5  # the newest version read. 2 adds "levers" (lags, inputs, residual MLPs) and "runtime" (version-1

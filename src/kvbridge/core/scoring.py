@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import InputError, NumericalError
+from ..errors import InputError, NumericalError
 from .models import positions_from_mask, with_cache
 from .prompts import check_ids, check_text
 from .recompute import reading

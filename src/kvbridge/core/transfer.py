@@ -10,8 +10,8 @@ through ``generate`` (which feeds only the columns the cache does not cover) or 
 forward pass — so its first output always comes from its own computation on real tokens.
 
 A :class:`Bridge` builds caches and the first token's logits; prompt batches come from
-:mod:`kvbridge.prompts`, generation from :mod:`kvbridge.generation`, scoring from
-:mod:`kvbridge.scoring`, selective recompute from :mod:`kvbridge.recompute`.
+:mod:`kvbridge.core.prompts`, generation from :mod:`kvbridge.core.generation`, scoring from
+:mod:`kvbridge.core.scoring`, selective recompute from :mod:`kvbridge.core.recompute`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from .errors import CompatibilityError, InputError, NumericalError
+from ..errors import CompatibilityError, InputError, NumericalError
 from .generation import Generation, generate_ids, generate_texts
 from .graphs import assumed_unpadded, capturing
 from .mapper import KINDS, Mapper, kv_features
@@ -61,7 +61,7 @@ def map_source_cache(source_model, target_model, mapper: Mapper, source_cache, p
     preallocated buffer that becomes the cache (:meth:`Mapper.map_features`' layout; the cache's layers
     are views of it), so the transient memory beyond the output cache is one chunk's features, not a copy
     of the whole source cache. cos/sin are computed once for all positions (dynamic RoPE depends on the
-    full length; on CPU once per length, :func:`~kvbridge.rope.rope_factors`); each RoPE is one in-place
+    full length; on CPU once per length, :func:`~kvbridge.core.rope.rope_factors`); each RoPE is one in-place
     pass over every layer of a chunk. ``state`` (B, T, Hs): the source's final hidden states, for a mapper
     whose levers read them (``mapper.config.reads_state``). ``premapped``: the target's post-RoPE keys and values
     of a one-row batch's first M tokens, Lt × (1, Ht, M, Dt) each, mapped earlier (:func:`map_block`): copied,
@@ -130,7 +130,7 @@ def map_block(source_model, target_model, mapper: Mapper, keys: torch.Tensor, va
     :attr:`~Mapper.max_lag`, or ``start``): what :func:`map_source_cache` gives these tokens of the whole prompt,
     since the map reads no token after the one it maps. Map-ahead: a source engine maps each block it stores, so
     that the target's connector only reads it (``premapped``). The models need only their config and rotary
-    module (:func:`kvbridge.models.load_rope_model`); the target's RoPE must not depend on the prompt's length."""
+    module (:func:`kvbridge.core.models.load_rope_model`); the target's RoPE must not depend on the prompt's length."""
     if past < min(mapper.max_lag, start) or past > start or keys.shape != values.shape or keys.dim() != 4:
         raise InputError(f"map_block needs the {min(mapper.max_lag, start)} tokens before the block for its lags "
                          f"and K/V of one shape; got past={past} at start={start}, keys {tuple(keys.shape)}.")
@@ -149,12 +149,12 @@ def token_major(factors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tenso
 
 def content_features(keys: list[torch.Tensor], values: list[torch.Tensor], rows: slice, unrotate, dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-    """:func:`~kvbridge.mapper.kv_features` of the source's K/V columns ``rows`` with RoPE removed from the keys
+    """:func:`~kvbridge.core.mapper.kv_features` of the source's K/V columns ``rows`` with RoPE removed from the keys
     (factors ``unrotate`` (T, B, 1, 1, D), already cut to ``rows``), in ``dtype`` on ``device``: the map's input.
 
     In float32 the keys are gathered, then un-rotated in place, every layer at once. In lower precision each
     layer's keys go straight from the cache to the buffer through one float32 rotation
-    (:func:`~kvbridge.rope.rotate_cast_`): no float32 copy of the whole buffer, and one pass on a GPU."""
+    (:func:`~kvbridge.core.rope.rotate_cast_`): no float32 copy of the whole buffer, and one pass on a GPU."""
     if dtype == torch.float32:
         kv = kv_features(keys, values, rows, torch.float32)  # (P+T, B, 2, R, Hs, Ds), on the source's device
         rotate_(kv[:, :, 0], *unrotate)  # content keys, every layer at once
@@ -173,7 +173,7 @@ def check_parts(source: LoadedModel, target: LoadedModel, mapper: Mapper) -> Non
     """Refuse what is not a loaded model or a mapper, naming the loader to use."""
     for role, model in (("source", source), ("target", target)):
         if not isinstance(model, LoadedModel):
-            raise InputError(f"{role} must be a model from kvbridge.models.load_model, not {type(model).__name__}; "
+            raise InputError(f"{role} must be a model from kvbridge.load_model, not {type(model).__name__}; "
                              "or use Bridge.from_pretrained(source_id, target_id, mapper_id).")
     if not isinstance(mapper, Mapper):
         raise InputError(f"mapper must be a kvbridge.Mapper (Mapper.from_pretrained), not {type(mapper).__name__}.")
@@ -203,7 +203,7 @@ class Bridge(PromptBatches):
                  native_layers: int | None = None, cuda_graphs: bool = False):
         """``hold_back``, ``recompute``, ``recompute_by``, ``recompute_window``, ``sink`` and ``native_layers``
         default to the mapper's runtime options. ``cuda_graphs``: :meth:`first_token_logits` of an unpadded batch
-        on a CUDA device replays a CUDA graph recorded for its shape (:mod:`kvbridge.graphs`) instead of launching
+        on a CUDA device replays a CUDA graph recorded for its shape (:mod:`kvbridge.core.graphs`) instead of launching
         every kernel from Python; its cache is then the graph's, refilled by the next call of that shape."""
         check_parts(source, target, mapper)
         if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
@@ -334,7 +334,7 @@ class Bridge(PromptBatches):
     def mapped_cache(self, ids: torch.Tensor, mask: torch.Tensor, owing: bool = False, stored: Stored | None = None):
         """Target cache for columns [0, T) of a left-padded batch, built from the source's prefill (and, with
         ``recompute``/``sink``, the target's recompute of the chosen tokens). ``owing``: the recompute is left
-        to the next forward pass over the cache, which must run under :func:`kvbridge.recompute.reading`.
+        to the next forward pass over the cache, which must run under :func:`kvbridge.core.recompute.reading`.
         ``stored``: the source's own K/V of the prompt's first tokens (warm transfer, :meth:`source_prefill`)."""
         if not self.selects_tokens:
             source_cache, positions, state = self.source_prefill(ids, mask, stored)
@@ -347,7 +347,7 @@ class Bridge(PromptBatches):
 
         ``owing`` (mapped mode): a selective recompute is not run on its own but carried by the continuing
         model's next forward pass over the cache, with the held-back tokens (one target pass instead of two);
-        that pass must run under :func:`kvbridge.recompute.reading` (generate, score and
+        that pass must run under :func:`kvbridge.core.recompute.reading` (generate, score and
         :meth:`first_token_logits` do)."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, not {mode!r}.")
@@ -404,10 +404,11 @@ class Bridge(PromptBatches):
             raise NumericalError(NONFINITE)
         return cache, logits
 
-    # -- generation (kvbridge.generation) ----------------------------------------------------------
+    # -- generation (kvbridge.core.generation) ----------------------------------------------------------
     def generate_ids(self, ids: torch.Tensor, mask: torch.Tensor, mode: Mode = "mapped", max_new_tokens: int = 32,
                      **generate_kwargs) -> torch.Tensor:
-        """New token ids (B, ≤ max_new_tokens) after a left-padded batch (:func:`kvbridge.generation.generate_ids`)."""
+        """New token ids (B, ≤ max_new_tokens) after a left-padded batch
+        (:func:`kvbridge.core.generation.generate_ids`)."""
         return generate_ids(self, ids, mask, mode, max_new_tokens, **generate_kwargs)
 
     def generate(self, prompts: list[str] | str, mode: Mode = "mapped", max_new_tokens: int = 32,
@@ -415,10 +416,10 @@ class Bridge(PromptBatches):
         """Continue each prompt; ``generate_kwargs`` go to transformers ``generate`` (do_sample, top_p, …)."""
         return generate_texts(self, prompts, mode, max_new_tokens, **generate_kwargs)
 
-    # -- scoring (kvbridge.scoring) --------------------------------------------------------------
+    # -- scoring (kvbridge.core.scoring) --------------------------------------------------------------
     def score_ids(self, contexts: list[list[int]], continuations: list[list[int]], mode: Mode = "mapped",
                   per_context: int = 1) -> list[Score]:
-        """Log-likelihood of each continuation given its context (see :func:`kvbridge.scoring.score_ids`;
+        """Log-likelihood of each continuation given its context (see :func:`kvbridge.core.scoring.score_ids`;
         ``per_context``: that many consecutive continuations share each context's prefix)."""
         return score_ids(self, contexts, continuations, mode, per_context)
 

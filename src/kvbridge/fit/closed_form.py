@@ -1,4 +1,4 @@
-"""Closed-form fit: layer selection and affine ridge solve from :mod:`kvbridge.stats`.
+"""Closed-form fit: layer selection and affine ridge solve from :mod:`kvbridge.fit.stats`.
 
 Letters: Fs / Ft features of one source / target layer (H·D), S the selected source layers.
 
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import InputError
-from .mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
-from .models import LoadedModel, prefill_content, source_hidden_size
-from .plan import check_geometry, fit_phases, model_shape
-from .recompute import CRITERIA, is_window
+from ..core.mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
+from ..core.models import LoadedModel, prefill_content, source_hidden_size
+from ..core.recompute import CRITERIA, is_window
+from ..errors import InputError
+from ..measure.plan import check_geometry, fit_phases, model_shape
 from .stats import (
     CalibrationStats,
     KVStats,
@@ -63,7 +63,7 @@ class FitConfig:
     # maps read only the source's first D layers (None: any): the source's prefill then stops after layer D − 1
     source_depth: int | None = None
     ridge: float = 0.01
-    # reduced-rank plain maps (kvbridge.rank): one rank for every layer without levers, or a share of their
+    # reduced-rank plain maps (kvbridge.fit.rank): one rank for every layer without levers, or a share of their
     # full-rank FLOPs spent where held-out R² gains most; None: full-rank maps
     rank: int | None = None
     rank_flops: float | None = None
@@ -72,8 +72,8 @@ class FitConfig:
     head_blocks: int | None = None
     batch_size: int = 4
     heldout_texts: int = 4
-    # levers (see kvbridge.levers): extra capacity for a few target layers
-    # the defaults are the frontier's recommended point on the embedded family (kvbridge.frontier.RECOMMENDED)
+    # levers (see kvbridge.fit.levers): extra capacity for a few target layers
+    # the defaults are the frontier's recommended point on the embedded family (kvbridge.measure.frontier.RECOMMENDED)
     lags: tuple[int, ...] = (0, 1, 2)  # source tokens t − j feeding target token t
     lever_inputs: str = "kv"  # "same": keys from keys, values from values; "kv": both caches; "kvs": both caches
     # and the source's final hidden state (its decoder's output, which no cache holds)
@@ -91,7 +91,7 @@ class FitConfig:
     mlp_observations: int = 262_144  # the MLP's training sample, kept in host memory (float32)
     repeat_spans: float = 0.5  # spans written twice per lever calibration row, on average (texts.repeat_spans)
     lever_objective: str = "output"  # "kv": mean squared error on K/V; "output": then tuned on the target's
-    # next-token distribution (kvbridge.tune)
+    # next-token distribution (kvbridge.fit.tune)
     tune_plain: bool = True  # "output" also tunes the plain maps of the lever layers' other kinds (same runtime cost)
     tune_steps: int = 600
     tune_batch: int = 2  # rows a tuning step
@@ -434,7 +434,7 @@ def _peak_memory_bytes(device) -> int:
 
 def working_memory(source: LoadedModel, target: LoadedModel, config: FitConfig) -> int:
     """Device bytes the capture and the solve need beside statistics kept on the device (from the plan of this
-    fit: :func:`kvbridge.plan.fit_phases`), for :func:`kvbridge.stats.totals_device`'s "auto"."""
+    fit: :func:`kvbridge.measure.plan.fit_phases`), for :func:`kvbridge.fit.stats.totals_device`'s "auto"."""
     from .stats import statistics_bytes
 
     itemsize = next(target.model.parameters()).element_size()
@@ -449,27 +449,27 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
     """Fit a mapper from ``source`` to ``target`` on ``texts``.
 
     ``distributed``: every process of an initialised torch.distributed group calls it (see
-    :mod:`kvbridge.distributed`); each reads its share of the calibration sequences, the statistics are
+    :mod:`kvbridge.fit.distributed`); each reads its share of the calibration sequences, the statistics are
     all-reduced, rank 0 solves and returns the mapper and the other processes return None. Without it the
     fit is one process's, whatever process group the caller runs in.
 
     The last documents, enough for ``heldout_texts`` sequences, are held out whole for the held-out
     R²; the fit reads the first ``num_texts`` sequences of the others. ``calibration_sha256`` in
-    ``mapper.json`` is :func:`kvbridge.hashing.sha256_texts` of all of ``texts`` as given. ``totals``: where the
+    ``mapper.json`` is :func:`kvbridge.core.hashing.sha256_texts` of all of ``texts`` as given. ``totals``: where the
     float64 statistics live ("auto": the models' GPU when they and the capture's and solve's working memory fit
-    there, else host memory; "device"; "host"), see :func:`kvbridge.stats.totals_device`.
+    there, else host memory; "device"; "host"), see :func:`kvbridge.fit.stats.totals_device`.
     """
-    from .hashing import sha256_texts
-    from .models import check_same_tokenizer
+    from ..core.hashing import sha256_texts
+    from ..core.models import check_same_tokenizer
 
     for role, model in (("source", source), ("target", target)):
         if not isinstance(model, LoadedModel):
-            raise InputError(f"{role} must be a model from kvbridge.models.load_model (or family.load_family), not "
+            raise InputError(f"{role} must be a model from kvbridge.load_model (or family.load_family), not "
                              f"{type(model).__name__}.")
     if not isinstance(config, FitConfig):
         raise InputError(f"config must be a kvbridge.fit.FitConfig, not {type(config).__name__}.")
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-        raise InputError("texts must be a list of strings (read a file with kvbridge.texts.read_texts).")
+        raise InputError("texts must be a list of strings (read a file with kvbridge.fit.texts.read_texts).")
     check_same_tokenizer(source.info, target.info)
     check_geometry(config, source.info.num_layers, target.info.num_layers,
                    (source.info.max_positions, target.info.max_positions),
@@ -592,7 +592,7 @@ def fit_mapper(source: LoadedModel, target: LoadedModel, texts: list[str], confi
         fit_info[f"{kind}_ridge_used"] = report[kind]["ridge_used"]
         if report[kind]["single_layer_r2"] is not None:
             fit_info[f"{kind}_single_layer_r2"] = report[kind]["single_layer_r2"]
-    from .recompute import bigram_tables
+    from ..core.recompute import bigram_tables
 
     vocab = int(target.model.config.vocab_size)  # every artifact carries the bigram table (a few MB at most)
     weights.update(bigram_tables(fit_seqs, vocab))
@@ -625,6 +625,6 @@ def recorded_settings(config: FitConfig, source_layers: int) -> dict:
 
 
 def _ids_sha(ids: torch.Tensor) -> str:
-    from .hashing import sha256_bytes
+    from ..core.hashing import sha256_bytes
 
     return sha256_bytes(ids.to(torch.int64).contiguous().numpy().tobytes())

@@ -1,8 +1,8 @@
 """Fits across processes: ``torchrun --nproc-per-node N -m kvbridge fit …``.
 
 Every process loads both models, reads its share of the calibration sequences
-(:func:`kvbridge.stats.shard`) and accumulates statistics; the statistics are all-reduced
-(:meth:`kvbridge.stats.KVStats.all_reduce`), and rank 0 alone solves, fits the levers and writes the
+(:func:`kvbridge.fit.stats.shard`) and accumulates statistics; the statistics are all-reduced
+(:meth:`kvbridge.fit.stats.KVStats.all_reduce`), and rank 0 alone solves, fits the levers and writes the
 artifact. Backend: NCCL when the fit's device is CUDA (each process takes ``cuda:LOCAL_RANK``), gloo on CPU.
 """
 
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def launched() -> bool:

@@ -2,9 +2,9 @@
 
 Letters: N observations, F_in features of one lever, Ft features of one target layer, H hidden units.
 
-A :class:`~kvbridge.mapper.Lever` on (kind, target layer) replaces that layer's plain features by
+A :class:`~kvbridge.core.mapper.Lever` on (kind, target layer) replaces that layer's plain features by
 its selected source layers' keys and/or values at tokens t, t − 1, … (see
-:func:`kvbridge.mapper.build_features`). Its linear part is solved in closed form like every other
+:func:`kvbridge.core.mapper.build_features`). Its linear part is solved in closed form like every other
 layer, from statistics of a second pass over the calibration sequences (the first pass's Gram
 covers only lag 0); its optional residual MLP is then trained on what the linear part leaves::
 
@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .errors import FitError
-from .mapper import Features, Lever, build_features, kv_features
-from .models import LoadedModel, prefill_content
+from ..core.mapper import Features, Lever, build_features, kv_features
+from ..core.models import LoadedModel, prefill_content
+from ..errors import FitError
 from .stats import KVStats, iter_batches
 
 
@@ -49,8 +49,8 @@ MAX_WEIGHT = 10.0  # attention weighting: no token counts more than this many av
 def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tensor, positions) -> torch.Tensor:
     """(B, T) attention mass each token's key receives in ``layer`` (summed over later queries, mean over
     heads), divided by its mean over the row: 1 = an average token."""
-    from .models import attention_queries
-    from .rope import apply_rope, rotary_factors
+    from ..core.models import attention_queries
+    from ..core.rope import apply_rope, rotary_factors
 
     cos, sin = rotary_factors(model, positions)
     q = attention_queries(model, hidden, layer, cos, sin, positions)  # (B, H, T, D), RoPE and query scaling applied
@@ -64,7 +64,7 @@ def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tens
 
 @torch.no_grad()
 def source_features(source: LoadedModel, ids: torch.Tensor, specs: dict) -> dict:
-    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.mapper.Features` for unpadded
+    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.core.mapper.Features` for unpadded
     sequences ``ids`` (B, T): the source's prefill, read as the mapper reads it."""
     reads_state = any("state" in spec.inputs for spec in specs.values())
     sk, sv, _, *state = prefill_content(source.model, ids, torch.ones_like(ids), state=reads_state)
@@ -82,7 +82,7 @@ def source_features(source: LoadedModel, ids: torch.Tensor, specs: dict) -> dict
 def lever_observations(source: LoadedModel, target: LoadedModel, ids: torch.Tensor, specs: dict, positions,
                        weighted: bool = False):
     """(x, y, weight or None) per lever key for unpadded sequences ``ids`` (B, T) at token ``positions``."""
-    from .models import layer_inputs
+    from ..core.models import layer_inputs
 
     features = source_features(source, ids, specs)
     with layer_inputs(target.model, {layer for _, layer in specs} if weighted else ()) as hidden:

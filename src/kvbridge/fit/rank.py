@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .mapper import KINDS, layer_features
-from .models import prefill_content
+from ..core.mapper import KINDS, layer_features
+from ..core.models import prefill_content
 from .stats import iter_batches
 
 
@@ -135,7 +135,7 @@ def choose_ranks(found: dict[tuple[str, int], Basis], target_features: int, rank
         step = 1
         floor = sum(b.features + ft for b in found.values())
     if floor > budget:
-        from .errors import InputError
+        from ..errors import InputError
 
         raise InputError(f"--rank-flops {flops:g} is below what rank 1 in every factorable layer costs "
                          f"({floor / sum(full.values()):.3f} of their full FLOPs); pass at least that.")

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FitError, InputError
-from .mapper import layer_features
-from .models import LoadedModel, prefill_content
+from ..core.mapper import layer_features
+from ..core.models import LoadedModel, prefill_content
+from ..errors import FitError, InputError
 
 # -- statistics --------------------------------------------------------------------------------
 BLOCK = 4096  # features per side of one product block: its float64 transient is BLOCK² × 8 bytes (128 MiB)
@@ -265,7 +265,7 @@ def statistics_bytes(fx: int, fy: int) -> int:
 def totals_device(choice, models_device: torch.device, fx: int, fy: int, transient: int = 0) -> torch.device:
     """Where :func:`collect_statistics` keeps its float64 totals: ``choice`` "cpu" (host memory), "device" (the
     models' device), or "auto": the models' device when it is a CUDA device whose free memory holds the totals and
-    ``transient`` bytes more (the rest of the capture and the solve, :mod:`kvbridge.plan`), else host memory."""
+    ``transient`` bytes more (the rest of the capture and the solve, :mod:`kvbridge.measure.plan`), else host memory."""
     if choice not in ("auto", "cpu", "device"):
         raise InputError(f"statistics totals go to 'auto', 'cpu' or 'device', not {choice!r}.")
     models_device = torch.device(models_device)
@@ -304,7 +304,7 @@ def collect_statistics(
     dtype, ``buffer_rows`` at a time, and added block by block (``block`` features a side). Under
     torch.distributed each process reads its :func:`shard` of the sequences and the totals are
     all-reduced: every process ends with the statistics of all of them (``distributed``: the caller has
-    joined the process group, see :mod:`kvbridge.distributed`).
+    joined the process group, see :mod:`kvbridge.fit.distributed`).
     """
     import time
 
@@ -317,7 +317,7 @@ def collect_statistics(
     stats = CalibrationStats(key=KVStats(fx, fy, where, block), value=KVStats(fx, fy, where, block))
     if distributed and not (dist.is_available() and dist.is_initialized()):
         raise InputError("distributed=True needs an initialised torch.distributed process group "
-                         "(kvbridge.distributed.start, or run under torchrun).")
+                         "(kvbridge.fit.distributed.start, or run under torchrun).")
     if distributed:
         sequences = shard(sequences, dist.get_rank(), dist.get_world_size())
     positions = observation_tokens(sequences.shape[1], stride)

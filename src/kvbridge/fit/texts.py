@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -129,7 +129,7 @@ def repeat_spans(sequences: torch.Tensor, per_row: float, seed: int = 0, special
     name, a number or a line. Calibration text rarely does this, yet in-context recall lives in exactly these
     tokens' keys (the previous-token keys an induction head matches). ``per_row`` 0 returns the rows unchanged.
 
-    Not the evaluation's recipe (:mod:`kvbridge.evaluate`'s recall tasks): the lengths differ (8-32 tokens
+    Not the evaluation's recipe (:mod:`kvbridge.measure.evaluate`'s recall tasks): the lengths differ (8-32 tokens
     against always 16), the sources differ (random spans here are drawn from the rows' own token distribution,
     repeats allowed, against distinct tokens of the 1,024 most frequent; real spans from any position of another
     calibration row against the same position of another held-out row), and the positions differ (anywhere in

@@ -2,14 +2,14 @@
 
 Letters: N rows, T tokens a row, F_in features of one lever, H kv heads, D head dim, V vocabulary.
 
-The closed form and the residual MLP (:mod:`kvbridge.levers`) fit a lever layer's K/V by mean squared
+The closed form and the residual MLP (:mod:`kvbridge.fit.levers`) fit a lever layer's K/V by mean squared
 error. That spends as much accuracy on directions of a key that no query reads as on those it does, and
 as much on a token nothing attends to as on a name recalled 800 tokens later. Tuning starts from those
 weights and trains every lever's parameters (the linear map and its MLP) on the target's own output:
 
 * for calibration rows, the native hidden states entering the first lever layer are kept, with each
   lever's source features (host memory, the model dtype);
-* a step runs the target's layers from there to the end by hand (:func:`kvbridge.models.decoder_layer`),
+* a step runs the target's layers from there to the end by hand (:func:`kvbridge.core.models.decoder_layer`),
   the lever layers with their mapped K/V in place of their own, and once more without (no gradient);
 * the loss is the KL divergence of the result from the native next-token distribution, averaged over
   tokens; AdamW, a warm-up and a cosine schedule, a fixed budget of steps, seeded. Through more than one
@@ -21,8 +21,8 @@ validation KL, so tuning never makes a mapper worse on data it did not train on.
 layers compute their own K/V from the hidden states in both passes (at runtime the plain map provides
 them; their errors change little, see ``kvbridge diagnose --oracle``).
 
-The target's layers must follow the Llama-style formula :func:`~kvbridge.models.decoder_layer` writes;
-:func:`~kvbridge.models.check_decoder_layers` checks that on the first rows before anything is trained.
+The target's layers must follow the Llama-style formula :func:`~kvbridge.core.models.decoder_layer` writes;
+:func:`~kvbridge.core.models.check_decoder_layers` checks that on the first rows before anything is trained.
 """
 
 from __future__ import annotations
@@ -33,10 +33,17 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import FitError
-from .mapper import Features, Lever
-from .models import LoadedModel, check_decoder_layers, decoder_layer, layer_inputs, next_token_logprobs, prefill_content
-from .rope import rotary_factors
+from ..core.mapper import Features, Lever
+from ..core.models import (
+    LoadedModel,
+    check_decoder_layers,
+    decoder_layer,
+    layer_inputs,
+    next_token_logprobs,
+    prefill_content,
+)
+from ..core.rope import rotary_factors
+from ..errors import FitError
 from .stats import iter_batches
 
 OBJECTIVES = ("kv", "output")  # --lever-objective: mean squared error on K/V only, or then tuned on the output
@@ -93,7 +100,7 @@ def mapped(params: dict, x: torch.Tensor, heads: int) -> torch.Tensor:
 def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor, selection: dict,
                 levers: tuple[Lever, ...], weights: dict[str, torch.Tensor], budget: TuneBudget, batch_size: int,
                 progress: bool = True, plain: tuple[tuple[str, int], ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
-    """Tune the levers' weights (names as :func:`kvbridge.levers.fit_levers` writes them) on the KL divergence
+    """Tune the levers' weights (names as :func:`kvbridge.fit.levers.fit_levers` writes them) on the KL divergence
     from the target's native next-token distribution; returns (weights, report). ``plain``: (kind, layer) maps
     without a lever, on lever layers, trained with them (their plain linear map: the runtime cost is unchanged);
     ``weights`` holds theirs too."""

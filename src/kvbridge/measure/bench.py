@@ -16,7 +16,7 @@ Per context length (batch 1 unless asked otherwise), measured side by side in on
 
 with warm-ups, then timed trials; medians are quoted, min/max kept. On CUDA the device is
 synchronized around every trial. ``graphs``: every timed call (native included, so the ratio stays
-honest) replays a CUDA graph recorded for it (:mod:`kvbridge.graphs`) instead of launching each kernel
+honest) replays a CUDA graph recorded for it (:mod:`kvbridge.core.graphs`) instead of launching each kernel
 from Python; elsewhere the same calls run eagerly. ``map_efficiency`` is the map's achieved FLOP/s divided by the FLOP/s
 of plain ``torch.matmul`` calls of the same shapes timed in the same run. ``cold_speedup_limit`` is
 FLOPs(target prefill) ÷ (FLOPs(source prefill) + FLOPs(map)): the best a cold transfer could do;
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from .mapper import KINDS, Mapper, MapperConfig
-from .models import prefill
-from .outputs import save_figure
-from .recompute import reads_source_state, recompute_counts
-from .transfer import Bridge
+from ..core.mapper import KINDS, Mapper, MapperConfig
+from ..core.models import prefill
+from ..core.outputs import save_figure
+from ..core.recompute import reads_source_state, recompute_counts
+from ..core.transfer import Bridge
 
 
 @dataclass
@@ -104,7 +104,7 @@ def prefill_flops(config, tokens: int, logits_tokens: int = 1, past: int = 0) ->
 
 
 def cache_prefill_flops(config, tokens: int, past: int = 0, depth: int | None = None) -> float:
-    """FLOPs of a forward that only fills the cache (:func:`kvbridge.models.cache_only`): every layer but the last
+    """FLOPs of a forward that only fills the cache (:func:`kvbridge.core.models.cache_only`): every layer but the last
     whole, and the last one's query, key and value projections (the model's own code forms all three before it
     stores K/V; the forward stops there). ``depth``: the cache of the first ``depth`` layers only."""
     layers, d = config.num_hidden_layers, config.hidden_size
@@ -138,7 +138,7 @@ def map_flops(mapper: Mapper | MapperConfig, tokens: int) -> float:
 
 
 def recompute_flops(config, n: int, prefix: int) -> float:
-    """FLOPs of the target's recompute of ``n`` of ``prefix`` tokens (:mod:`kvbridge.recompute`): a forward
+    """FLOPs of the target's recompute of ``n`` of ``prefix`` tokens (:mod:`kvbridge.core.recompute`): a forward
     of ``n`` queries over the whole prefix (at most) through every layer but the last, and the last layer's
     key and value projections only."""
     layers, d = config.num_hidden_layers, config.hidden_size
@@ -248,7 +248,7 @@ def _maybe_graphed(fn, device: torch.device, graphs: bool, reasons: set | None =
     into ``reasons``)."""
     if not graphs:
         return fn
-    from .graphs import Graphed, unpadded
+    from ..core.graphs import Graphed, unpadded
 
     def run():
         with unpadded():

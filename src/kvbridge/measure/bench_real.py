@@ -1,4 +1,4 @@
-"""Latency at the real Ministral-3 geometry, no downloads: ``python -m kvbridge.bench_real``.
+"""Latency at the real Ministral-3 geometry, no downloads: ``python -m kvbridge.measure.bench_real``.
 
 Builds randomly initialised Ministral-3-3B and -8B text decoders from the text configs shipped in
 ``kvbridge/configs`` (26 vs 34 layers, hidden 3072 vs 4096, 8 KV heads × 128, YaRN θ=1e6 ×16,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).parents[1] / "configs"  # kvbridge/configs
 
 
 class _VocabOnly:
@@ -34,8 +34,8 @@ class _VocabOnly:
 def build(name: str, device, dtype, tiny: bool):
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
-    from .models import LoadedModel, ModelInfo
-    from .rope import rope_spec
+    from ..core.models import LoadedModel, ModelInfo
+    from ..core.rope import rope_spec
 
     data = json.loads((CONFIGS / f"{name}.json").read_text())
     if tiny:  # same structure, CPU-sized
@@ -68,8 +68,8 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
     every map reads the first that many source layers only (the source's prefill stops there)."""
     from dataclasses import replace
 
-    from .fit import FitConfig
-    from .mapper import MapperConfig
+    from ..core.mapper import MapperConfig
+    from ..fit.closed_form import FitConfig
 
     all_layers = tuple(range(source_info.num_layers if source_depth is None else source_depth))
     chosen_layers = all_layers if top_k is None else all_layers[-min(top_k, len(all_layers)):]
@@ -95,7 +95,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
         lever_layers = {v.layer for v in chosen}
         heads = {kind: tuple(1 if l in lever_layers else head_blocks for l in range(target_info.num_layers))
                  for kind in selection}
-    from .mapper import RuntimeOptions
+    from ..core.mapper import RuntimeOptions
 
     runtime = RuntimeOptions()
     if levers:  # kvbridge fit's runtime defaults too: hold-back, selective recompute (a source-logit criterion)
@@ -108,9 +108,9 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
 def random_mapper(source, target, device, dtype, levers: bool = False, **fast):
     """Random weights at the published geometry (``levers``: at kvbridge fit's defaults, source layers included
     and its runtime options; ``fast``: :func:`published_config`'s top_k, rank_fraction, head_blocks, source_depth)."""
-    from .fit import FitConfig
-    from .mapper import Mapper, keeps_dtype
-    from .models import source_hidden_size
+    from ..core.mapper import Mapper, keeps_dtype
+    from ..core.models import source_hidden_size
+    from ..fit.closed_form import FitConfig
 
     if levers and "top_k" not in fast:
         fast["top_k"] = FitConfig().top_k
@@ -126,8 +126,8 @@ def _published_infos():
     """ModelInfo and config of Ministral-3 3B and 8B (text) from the shipped configs."""
     from transformers import Ministral3Config
 
-    from .models import ModelInfo
-    from .rope import RopeSpec
+    from ..core.models import ModelInfo
+    from ..core.rope import RopeSpec
 
     infos, configs = {}, {}
     for name in ("ministral3-3b-text", "ministral3-8b-text"):
@@ -148,7 +148,7 @@ def resident_line(device: str = "cpu") -> str:
     on CPU, the process's peak resident memory (torch and Python included)."""
     import resource
 
-    from .mapper import Mapper, assemble
+    from ..core.mapper import Mapper, assemble
 
     infos, _ = _published_infos()
     config = published_config(infos["ministral3-3b-text"], infos["ministral3-8b-text"], levers=False)
@@ -167,8 +167,8 @@ def plan_table() -> str:
 
     From the shipped configs alone: no weights are built.
     """
+    from ..fit.closed_form import FitConfig
     from .bench import map_flops, prefill_flops
-    from .fit import FitConfig
 
     infos, configs = _published_infos()
     source, target = infos["ministral3-3b-text"], infos["ministral3-8b-text"]
@@ -195,8 +195,8 @@ def plan_table() -> str:
 def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
     """The TTFT speed-up limit (a native prefill's FLOPs ÷ the mapped path's) at the published geometry, for
     the plain map and for kvbridge fit's defaults (levers, selective recompute, hold-back)."""
+    from ..fit.closed_form import FitConfig
     from .bench import path_flops, prefill_flops
-    from .fit import FitConfig
 
     d = FitConfig()
     src, tgt = configs["ministral3-3b-text"], configs["ministral3-8b-text"]
@@ -233,7 +233,7 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
 
 def published_fit(texts: int, seq_len: int, stride: int, batch_size: int = 4):
     """The published fit's settings: every source layer for every target layer, ridge 0.01, no levers."""
-    from .fit import FitConfig
+    from ..fit.closed_form import FitConfig
 
     return FitConfig(num_texts=texts, seq_len=seq_len, stride=stride, batch_size=batch_size, heldout_texts=0,
                      top_k=None, lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0)
@@ -244,9 +244,9 @@ def fit_report(device: str, dtype: torch.dtype, tiny: bool, texts: int, seq_len:
     """The plain published fit (:func:`published_fit`) on random models and random token ids: capture and solve
     times, where the statistics lived, and the measured peak beside the plan's for that choice. The models are
     counted in neither (``models``: the (source, target) already built, else built here)."""
-    from .fit import solve
+    from ..fit.closed_form import solve
+    from ..fit.stats import collect_statistics, statistics_bytes, totals_device
     from .plan import Phase, device_peak, measured_peak, model_shape, plan
-    from .stats import collect_statistics, statistics_bytes, totals_device
 
     source, target = models or (build("ministral3-3b-text", device, dtype, tiny),
                                 build("ministral3-8b-text", device, dtype, tiny))
@@ -303,9 +303,9 @@ def _sync(device) -> None:
 
 
 def main(argv=None) -> None:
+    from ..core.outputs import check_output_file, write_text
+    from ..core.transfer import Bridge
     from .bench import bench_table, device_name, run_bench
-    from .outputs import check_output_file, write_text
-    from .transfer import Bridge
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

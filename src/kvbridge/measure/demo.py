@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 
-from . import family
-from .artifact import check_writable_artifact_dir
+from .. import family
+from ..core.artifact import check_writable_artifact_dir
+from ..core.mapper import Mapper, check_mapper
+from ..core.outputs import check_output_dir, write_text
+from ..core.transfer import Bridge
+from ..errors import KVBridgeError
+from ..fit.closed_form import FitConfig, fit_mapper
+from ..release.card import write_card
 from .bench import bench_table, run_bench
-from .card import write_card
-from .errors import KVBridgeError
 from .evaluate import bootstrap_interval, capped_mean_retention, family_tasks, gap_cell, mean_retention
-from .fit import FitConfig, fit_mapper
 from .frontier import ttft
 from .gap import GapConfig, gap_table, run_gap
-from .mapper import Mapper, check_mapper
-from .outputs import check_output_dir, write_text
-from .transfer import Bridge
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _side_by_side(plain: list, recommended: list) -> str:
 def shipped_mapper(cfg: DemoConfig, plain: bool = False) -> Mapper | None:
     """The family's shipped recommended (``plain``: plain) mapper, when it is what ``cfg`` would fit (its recorded fit
     settings equal ``cfg.fit``'s, with :data:`PLAIN` for the plain one); None otherwise (then the demo fits it)."""
-    from .fit import recorded_settings
+    from ..fit.closed_form import recorded_settings
 
     try:
         mapper = Mapper.from_pretrained(family.mapper_path(plain))
@@ -175,7 +175,7 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
         _say(_side_by_side(base, ours))
 
     # 5. what the mapped target keeps of the target's lead over the source on third-party code, generation included
-    from .family.external import external_texts
+    from ..family.external import external_texts
 
     third_party = run_gap(bridge, external_texts("heldout"), cfg.gap, progress=lambda message: None,
                           label="third-party code, held-out packages")

@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..core.models import attention_queries, cache_kv, make_cache, positions_from_mask, prefill
+from ..core.outputs import save_figure
+from ..core.rope import rotary_factors
+from ..core.transfer import Bridge
+from ..fit.closed_form import heldout_r2
 from .evaluate import family_tasks, heldout_rows, mean_retention
-from .fit import heldout_r2
-from .models import attention_queries, cache_kv, make_cache, positions_from_mask, prefill
-from .outputs import save_figure
-from .rope import rotary_factors
-from .transfer import Bridge
 
 
 def _attend(q, k, v) -> torch.Tensor:

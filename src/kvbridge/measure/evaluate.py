@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .errors import InputError, NumericalError
-from .scoring import score_plain
-from .transfer import Bridge
+from ..core.scoring import score_plain
+from ..core.transfer import Bridge
+from ..errors import InputError, NumericalError
 
 SPAN = 16
 CHOICE_TOKENS = 32

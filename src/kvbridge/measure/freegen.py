@@ -10,20 +10,20 @@ own prefill (``source``: the baseline a transfer must beat — a user who keeps 
   differs (``new_tokens`` when none does), *repetition* the share of the continuation's 4-grams that already
   occurred earlier in it (0: no loop).
 * ``recall, written``: a generative exact-match task. A 16-token span of another document is stated early in the
-  context and begins again near its end (:func:`kvbridge.evaluate.recall_items`); after its first token the model
-  writes the other 15 greedily, and is right only if all 15 are the span's: a value stated far back, which only
+  context and begins again near its end (:func:`kvbridge.measure.evaluate.recall_items`); after its first token the
+  model writes the other 15 greedily, and is right only if all 15 are the span's: a value stated far back, which only
   reading the context gives. (An exact next line of third-party code is beyond the embedded family's models: native
   wrote none of 16 right.)
 
-Each figure is kept per item with its document, so :mod:`kvbridge.evaluate`'s paired bootstrap gives intervals and
-gap recovered ((mapped − source) ÷ (native − source)) as for the scoring tasks.
+Each figure is kept per item with its document, so :mod:`kvbridge.measure.evaluate`'s paired bootstrap gives intervals
+and gap recovered ((mapped − source) ÷ (native − source)) as for the scoring tasks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 from .evaluate import SPAN, TaskResult, recall_items
 
 MODES = ("native", "mapped", "source")

@@ -1,6 +1,6 @@
 """``kvbridge frontier``: what each lever buys in retention and costs in time to first token, measured.
 
-Fits a few mappers (the plain map and maps with levers, see :mod:`kvbridge.levers`), crosses them
+Fits a few mappers (the plain map and maps with levers, see :mod:`kvbridge.fit.levers`), crosses them
 with runtime options (selective recompute, a native sink token, a blind recompute as a control), and
 measures every point on the family tasks at each context length (native, source and floors once, then
 only the mapped mode per point) and its time to first token against the native target **at the same
@@ -33,8 +33,11 @@ from pathlib import Path
 
 import torch
 
+from ..core.outputs import check_output_dir, save_figure, write_text
+from ..core.transfer import Bridge
+from ..errors import InputError
+from ..fit.closed_form import MAX_RIDGE, FitConfig, fit_mapper
 from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, time_ms
-from .errors import InputError
 from .evaluate import (
     bootstrap_interval,
     capped_mean_retention,
@@ -48,10 +51,7 @@ from .evaluate import (
     paired_replicates,
     percentile_interval,
 )
-from .fit import MAX_RIDGE, FitConfig, fit_mapper
 from .freegen import continuation_results
-from .outputs import check_output_dir, save_figure, write_text
-from .transfer import Bridge
 
 MIN_SPEEDUP = 1.5
 GENERATED = 48  # greedy tokens per continuation in the free-generation measure (at the headline length)
@@ -89,7 +89,7 @@ LAGS = dict(lags=(0, 1, 2), lever_inputs="kv")
 MLP128 = dict(LAGS, mlp_hidden=128)
 MLP256 = dict(LAGS, mlp_hidden=256)
 STATE128 = dict(LAGS, lever_inputs="kvs", mlp_hidden=128)  # + the source's final hidden state at each lag
-# lags + MLP 128, calibrated with repeated spans and tuned on the target's next-token distribution (kvbridge.tune)
+# lags + MLP 128, calibrated with repeated spans and tuned on the target's next-token distribution (kvbridge.fit.tune)
 TUNED = dict(MLP128, repeat_spans=0.5, lever_objective="output")
 # every point starts from the plain map: its levers are spelled out, whatever kvbridge fit's defaults are
 PLAIN = dict(top_k=None, lags=(0,), lever_inputs="same", lever_kinds=("key",), lever_layers=None, lever_count=1,
@@ -333,14 +333,14 @@ def flop_limit(bridge: Bridge, tokens: int) -> float:
 
 def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     """The TTFT FLOP limit this point's kind of map would have at the Ministral-3 3B→8B geometry (plan arithmetic,
-    :func:`kvbridge.bench_real.published_config`): its plain maps reading the same share of the source's layers and
-    spending the same share of their full-rank FLOPs (head-matched maps: matched there too, one block per KV head),
-    its levers if it has the fit's default ones, its runtime options; the same share of the source's layers run
-    (a map reading only the first ones) and of the target's layers computed natively. None for a point with other
-    levers (their cost at that geometry is not planned here)."""
+    :func:`kvbridge.measure.bench_real.published_config`): its plain maps reading the same share of the source's layers
+    and spending the same share of their full-rank FLOPs (head-matched maps: matched there too, one block per KV head),
+    its levers if it has the fit's default ones, its runtime options; the same share of the source's layers run (a map
+    reading only the first ones) and of the target's layers computed natively. None for a point with other levers (their
+    cost at that geometry is not planned here)."""
+    from ..fit.closed_form import FitConfig
     from .bench import path_flops
     from .bench_real import _published_infos, published_config
-    from .fit import FitConfig
 
     config = bridge.mapper.config
     default = FitConfig()

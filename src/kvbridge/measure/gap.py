@@ -6,7 +6,7 @@ held-out to report; or any texts file):
 
 * perplexity of the last quarter of each row and 4-way cloze (scored), with *gap recovered*
   ((mapped − source) ÷ (native − source); perplexity in log space) and its paired bootstrap interval over documents;
-* free generation (:mod:`kvbridge.freegen`): greedy continuations' agreement with native, first divergence and
+* free generation (:mod:`kvbridge.measure.freegen`): greedy continuations' agreement with native, first divergence and
   distinct 4-grams, for mapped and for the source alone, and a span stated far back, written (exact match);
 * time to first token, native against mapped, at the same length (batch 1, measured side by side).
 
@@ -21,7 +21,9 @@ import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .errors import InputError
+from ..core.outputs import check_output_dir, write_text
+from ..core.transfer import Bridge
+from ..errors import InputError
 from .evaluate import (
     CHOICE_TOKENS,
     TaskResult,
@@ -35,8 +37,6 @@ from .evaluate import (
     task_perplexity,
 )
 from .freegen import continuation_results, written_recall_result
-from .outputs import check_output_dir, write_text
-from .transfer import Bridge
 
 
 @dataclass(frozen=True)

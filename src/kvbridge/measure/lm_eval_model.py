@@ -24,7 +24,7 @@ Generation follows lm-eval's Hugging Face backend: ``until`` and ``max_gen_toks`
 samples at 1.0, and every other key (top_p, top_k, repetition_penalty, …) goes to transformers'
 ``generate``; a key transformers does not know is refused rather than ignored.
 
-Registered on import (``import kvbridge.lm_eval_model``); needs ``pip install "kvbridge[eval]"``.
+Registered on import (``import kvbridge.measure.lm_eval_model``); needs ``pip install "kvbridge[eval]"``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
-from .errors import InputError
-from .scoring import score_plain
-from .transfer import MODES, Bridge
+from ..core.scoring import score_plain
+from ..core.transfer import MODES, Bridge
+from ..errors import InputError
 
 DEFAULT_MAX_GEN_TOKS = 256
 

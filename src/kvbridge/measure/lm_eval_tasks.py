@@ -3,7 +3,7 @@
 Also the two offline tasks shipped with kvbridge (``kvbridge_family_cloze``: multiple choice,
 ``kvbridge_family_recall``: generative), built once from the embedded family's held-out split, so the
 harness integration is exercised with no network. lm-eval is imported here and in
-:mod:`kvbridge.lm_eval_model` only (``pip install "kvbridge[eval]"``).
+:mod:`kvbridge.measure.lm_eval_model` only (``pip install "kvbridge[eval]"``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 from .evaluate import CHOICE_TOKENS, cloze_items, frequent_ids, heldout_rows, recall_items, retention
 
-TASKS_DIR = Path(__file__).parent / "tasks"
+TASKS_DIR = Path(__file__).parents[1] / "tasks"  # kvbridge/tasks
 # the two offline tasks at the two lengths of the family tasks (contexts of 256 and 1,024 tokens)
 LOCAL_TASKS = ("kvbridge_family_cloze", "kvbridge_family_recall", "kvbridge_family_cloze_1024",
                "kvbridge_family_recall_1024")
@@ -85,7 +85,7 @@ def build_local_tasks(tokenizer, texts: list[str], out_dir: str | Path = TASKS_D
                       seq_len: int = 256, seed: int = 0, suffix: str = "") -> None:
     """Write the two offline tasks' JSONL from held-out texts (run once per length; the files are shipped).
 
-    ``python -c "from kvbridge import family; from kvbridge.lm_eval_tasks import build_local_tasks as b; t =
+    ``python -c "from kvbridge import family; from kvbridge.measure.lm_eval_tasks import build_local_tasks as b; t =
     family.load_family()[1].tokenizer; b(t, family.heldout_texts()); b(t, family.heldout_texts(), seq_len=1024,
     suffix='_1024')"``
     """
@@ -155,7 +155,7 @@ def run_lm_eval(bridge, tasks: list[str], modes: tuple[str, ...] = ("native", "m
     """``lm_eval.simple_evaluate`` per mode (and per few-shot count) on one bridge; returns mode → results.
 
     Each mode's results also carry ``kvbridge``: task → requests and native fallbacks (see
-    :mod:`kvbridge.lm_eval_model`).
+    :mod:`kvbridge.measure.lm_eval_model`).
     """
     fewshot = fewshot or {task: None for task in tasks}
     folder = local_task_dir(task_data)

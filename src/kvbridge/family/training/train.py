@@ -1,6 +1,6 @@
 """Train the embedded default family (run once; tests and CI never retrain).
 
-    python -m kvbridge.family.train --out src/kvbridge/family/checkpoints
+    python -m kvbridge.family.training.train --out src/kvbridge/family/checkpoints
 
 Steps, each seeded:
 
@@ -20,8 +20,8 @@ Steps, each seeded:
 
 The shipped checkpoints come from two seeded runs on the project's 2-core CPU machine:
 
-    python -m kvbridge.family.train                                   # 2,793 s (46.5 min)
-    python -m kvbridge.family.train --continue-from src/kvbridge/family/checkpoints \
+    python -m kvbridge.family.training.train                                   # 2,793 s (46.5 min)
+    python -m kvbridge.family.training.train --continue-from src/kvbridge/family/checkpoints \
         --target-steps 1700 --source-steps 800 --lr 5e-4 --seed 1     # 1,718 s (28.6 min)
 
 The first ended with held-out random-span recall at 2.9 %: growing the alphabet on a timer kept
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..hashing import sha256_bytes, sha256_texts
-from .corpus import documents
+from ...core.hashing import sha256_bytes, sha256_texts
+from ..corpus import documents
 
 SEQ = 256
 VOCAB = 4096
@@ -383,8 +383,8 @@ def best_layers(target, k: int, ids: torch.Tensor) -> tuple[int, ...]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "checkpoints"))
-    parser.add_argument("--data-out", default=str(Path(__file__).parent / "data"))
+    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "checkpoints"))
+    parser.add_argument("--data-out", default=str(Path(__file__).parents[1] / "data"))
     parser.add_argument("--copy-steps", type=int, default=900, help="most steps of the copy-only phase")
     parser.add_argument("--target-steps", type=int, default=2600)
     parser.add_argument("--source-steps", type=int, default=900)

@@ -1,6 +1,6 @@
 """Train the deep embedded family (run once, resumable; tests and CI never retrain).
 
-    python -m kvbridge.family.train_deep --work deep-work          # resumes from deep-work/ when run again
+    python -m kvbridge.family.training.train_deep --work deep-work          # resumes from deep-work/ when run again
 
 A second family, the hard case for a map: an 8-layer target and a 4-layer source, each trained **from its own
 random initialization** (no pruning, no distillation: their caches are related only by the data they read),
@@ -8,7 +8,7 @@ with the first family's tokenizer, corpus split, Ministral3 architecture, RoPE s
 length curriculum. Each model runs seven stages, seeded:
 
 1. ``copy``: whole rows of a repeated random sequence over the 16 most frequent tokens, growing only once copied
-   well (:class:`~kvbridge.family.train.Rows`).
+   well (:class:`~kvbridge.family.training.train.Rows`).
 2. ``main``: 256-token rows of real code with a steady share of pure repeats and of random and real spans over the
    1,024 most frequent tokens that recur later (``CONTINUE_MIX``, the whole alphabet at once, as the first
    family's second stage; for the deep target this alone did not bring copying: 1.6 % after 1,400 steps).
@@ -19,13 +19,13 @@ length curriculum. Each model runs seven stages, seeded:
    (after ``induce`` the deep target copied pure repeats but recalled a random span inside real text 11 % of the
    time; a ``long`` stage started from there stayed at 1-2 % recall and lost copying, 54 % -> 9 %, in 400 steps).
 5. ``stretch``: the ``recall`` stage's rows again, with position ids that skip ahead at a random cut
-   (:func:`~kvbridge.family.train.skip_positions`, up to 2,048): after ``recall`` the deep target recalled a span
-   200 tokens back in 256-token rows (64 %) but not in 512-token rows (0.4 %; :func:`position_probe`, ``--probe``)
-   — it had never seen a position past 256 — and the ``long`` stage started from there lost copying again (16 %
-   -> 10 % in 150 steps, recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions
-   cheaply; after ``stretch`` and ``long`` the target recalled 72 % at 512 tokens, 71 / 53 / 25 % at 1,024 tokens
-   200 / 450 / 950 back (the source 65 %, 70 / 29 / 3 %).
-6. ``long``: the length curriculum of :mod:`kvbridge.family.train_long` (512-token rows, then 1,024, then 1,024
+   (:func:`~kvbridge.family.training.train.skip_positions`, up to 2,048): after ``recall`` the deep target recalled a
+   span 200 tokens back in 256-token rows (64 %) but not in 512-token rows (0.4 %; :func:`position_probe`, ``--probe``)
+   — it had never seen a position past 256 — and the ``long`` stage started from there lost copying again (16 % -> 10 %
+   in 150 steps, recall at 1,024 tokens 3 %). Short rows that reach every position teach the positions cheaply; after
+   ``stretch`` and ``long`` the target recalled 72 % at 512 tokens, 71 / 53 / 25 % at 1,024 tokens 200 / 450 / 950 back
+   (the source 65 %, 70 / 29 / 3 %).
+6. ``long``: the length curriculum of :mod:`kvbridge.family.training.train_long` (512-token rows, then 1,024, then 1,024
    and 2,048 in turn), spans drawn from the 1,024 most frequent tokens growing to 3,072 as pure repeats are copied,
    recurring anywhere later in the row, pure repeats at the recall stage's 35 %.
 7. ``polish``: language at length (the first family's long-stage mix, mostly plain text, 1,024- and 2,048-token
@@ -52,9 +52,9 @@ from pathlib import Path
 
 import torch
 
-from ..hashing import sha256_bytes
-from . import CHECKPOINTS, DEEP
-from .corpus import documents
+from ...core.hashing import sha256_bytes
+from .. import CHECKPOINTS, DEEP
+from ..corpus import documents
 from .train import (
     CONTINUE_MIX,
     PAD,
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
         "train_stream_sha256": recorded,
         "independent": "source and target trained from their own random initializations; no pruning, no "
                        "distillation",
-        "command": "python -m kvbridge.family.train_deep " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m kvbridge.family.training.train_deep " + " ".join(sys.argv[1:] if argv is None else argv),
         "autocast": "bfloat16" if args.autocast else None, "threads": args.threads, "device": args.device,
         "weights": "bfloat16 (the figures below are measured on them, in float32 arithmetic)",
         "stages": progress,

@@ -1,10 +1,10 @@
 """Long-context stages of the embedded family (run once; tests and CI never retrain).
 
 The shipped checkpoints come from two runs of this module after the two stages of
-:mod:`kvbridge.family.train`, each continuing the checkpoints in place (2 CPU cores)::
+:mod:`kvbridge.family.training.train`, each continuing the checkpoints in place (2 CPU cores)::
 
-    python -m kvbridge.family.train_long --target-steps 1000 --source-steps 600 --seed 2     # 1,789 s
-    python -m kvbridge.family.train_long --target-steps 500 --source-steps 400 --alphabet 3072 \
+    python -m kvbridge.family.training.train_long --target-steps 1000 --source-steps 600 --seed 2     # 1,789 s
+    python -m kvbridge.family.training.train_long --target-steps 500 --source-steps 400 --alphabet 3072 \
         --random-share 0.35 --seed 3                                                         # 1,271 s
 
 The second run widens the random spans' alphabet from the 1,024 to the 3,072 most frequent tokens:
@@ -12,7 +12,7 @@ after the first, the target copied spans of its training alphabet over ~950 toke
 probe) but spans of the held-out rows' frequent tokens, as the family tasks draw them, far less
 (40 %); after the second, 53 %.
 
-The first two stages (:mod:`kvbridge.family.train`) trained both models on 256-token rows; past
+The first two stages (:mod:`kvbridge.family.training.train`) trained both models on 256-token rows; past
 position 256 they fell apart (held-out target perplexity 113 at positions 384–512 and 541 at
 768–1,024, against 29 at 128–256), although their configs claim 2,048 positions. This stage
 continues both checkpoints with a length curriculum and keeps what makes the family an instrument:
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from ..evaluate import band_perplexity, frequent_ids, heldout_rows, recall_items
-from ..hashing import sha256_bytes
-from ..scoring import score_plain
-from .corpus import documents
+from ...core.hashing import sha256_bytes
+from ...core.scoring import score_plain
+from ...measure.evaluate import band_perplexity, frequent_ids, heldout_rows, recall_items
+from ..corpus import documents
 from .train import PAD, Rows, frequent_tokens, heldout_ppl, log, recall_accuracy, recall_rows, token_stream, train
 
 LONG_MIX = {"pure": 0.1, "random": 0.3, "real": 0.15}
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer, Ministral3ForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="source_dir", default=str(Path(__file__).parent / "checkpoints"),
+    parser.add_argument("--from", dest="source_dir", default=str(Path(__file__).parents[1] / "checkpoints"),
                         help="checkpoints of the previous stage (target/, source/, family.json)")
     parser.add_argument("--out", default=None, help="where to write (default: --from, replaced in place)")
     parser.add_argument("--target-steps", type=int, default=1000)
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     report = {k: v for k, v in previous.items() if k not in ("target", "source", "long_context")}
     report["continued_from"] = previous
     report["long_context"] = {
-        "command": "python -m kvbridge.family.train_long " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m kvbridge.family.training.train_long " + " ".join(sys.argv[1:] if argv is None else argv),
         "seed": args.seed, "target_steps": args.target_steps, "source_steps": args.source_steps, "lr": args.lr,
         "tokens_per_step": TOKENS_PER_STEP, "mix": mix, "alphabet": args.alphabet,
         "row_lengths": "512 for the first 15% of steps, then 1024, then 1024 and 2048 in turn (from 55%)",

@@ -1,6 +1,6 @@
 """Prune and distil a source from the deep family's target (run once, resumable; tests and CI never retrain).
 
-    python -m kvbridge.family.train_pruned --work pruned-work       # resumes from pruned-work/ when run again
+    python -m kvbridge.family.training.train_pruned --work pruned-work       # resumes from pruned-work/ when run again
 
 The ``deep-pruned`` family: the deep family's 8-layer target with a 4-layer source *built from it* the way
 Ministral 3's sizes are built from one parent (pruned, then distilled: "Cascade Distillation"), where the
@@ -9,12 +9,13 @@ its own RoPE: θ = 5e4, YaRN ×2), so the two families differ only in how the so
 
 1. ``prune``: the 4 of the target's 8 layers whose depth-pruned model has the lowest loss (Minitron's depth probe
    over all 70 choices), then its 192 most active hidden channels and 512 most active MLP neurons per layer
-   (:func:`kvbridge.family.train.prune`).
+   (:func:`kvbridge.family.training.train.prune`).
 2. ``distil``: forward KL to the target's logits + 0.5·CE on 256-token rows of the first family's distillation mix,
-   their position ids skipping ahead at a random cut up to 2,048 (:func:`~kvbridge.family.train.skip_positions`;
-   the teacher reads the same positions), so the new RoPE is learned at every position cheaply.
+   their position ids skipping ahead at a random cut up to 2,048
+   (:func:`~kvbridge.family.training.train.skip_positions`; the teacher reads the same positions), so the new RoPE
+   is learned at every position cheaply.
 3. ``long``: the same loss on rows of 512, then 1,024, then 1,024 and 2,048 tokens in turn
-   (:func:`kvbridge.family.train_long.shapes_for`), the long stage's mix.
+   (:func:`kvbridge.family.training.train_long.shapes_for`), the long stage's mix.
 
 Training runs under bfloat16 autocast; every ``--save-every`` steps the stage's loop state is written to
 ``--work`` (atomically). The end measures the source on held-out data (the family instrument checks) and writes
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from . import DEEP, PRUNED
+from .. import DEEP, PRUNED
 from .train import (
     DISTILL_MIX,
     PAD,
@@ -131,7 +132,8 @@ def main(argv=None) -> None:
                                  "family.json"} | deep["target"],
         "pruned": f"the source is the target's layers {list(keep)} pruned to {hidden} channels and {mlp} MLP neurons, "
                   "then distilled from the target (forward KL + 0.5·CE)",
-        "command": "python -m kvbridge.family.train_pruned " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": ("python -m kvbridge.family.training.train_pruned "
+                    + " ".join(sys.argv[1:] if argv is None else argv)),
         "autocast": "bfloat16", "threads": args.threads,
         "weights": "bfloat16 (the figures below are measured on them, in float32 arithmetic)",
         "stages": progress,

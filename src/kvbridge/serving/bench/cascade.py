@@ -1,8 +1,9 @@
 """Model switching without a prefill: a source server and a target server sharing the source's KV store.
 
 ``kvbridge cascade`` starts both: ``kvbridge serve-source`` (vLLM serving the source, storing its KV as it serves:
-:mod:`kvbridge.serving.producer`) and ``kvbridge serve --store`` (vLLM serving the target, mapping stored source KV
-into its paged cache: :mod:`kvbridge.serving.connector`). A conversation's first turns run on the source; when one
+:mod:`kvbridge.serving.engine.producer`) and ``kvbridge serve --store`` (vLLM serving the target, mapping stored source
+KV into its paged cache: :mod:`kvbridge.serving.engine.connector`). A conversation's first turns run on the source; when
+one
 escalates to the target (same messages, the servers apply the chat template), the target's connector finds the
 conversation's blocks in the store and maps them — the source does not prefill them again — then the target
 computes the new turn and the held-back tokens itself, over them, and answers.
@@ -16,8 +17,8 @@ folder: ``kvbridge_store: "folder"``), warm with every token mapped (the source 
 mapper: ``kvbridge_native_rest: 0``, the cold path's cache), mapped at the switch (as warm, the stored source K/V
 mapped when the turn arrives, blocks mapped ahead ignored: ``kvbridge_store: "source"``), cold (mapped from a
 fresh source prefill inside the connector, ``kvbridge_store: false``) and prewarmed (as warm, on a copy whose source
-request asked the target's server to load it ahead, ``kvbridge_prewarm``: :mod:`kvbridge.serving.prewarm`; the turn
-waits for that load) — each on a stored copy of its own of the
+request asked the target's server to load it ahead, ``kvbridge_prewarm``: :mod:`kvbridge.serving.store.prewarm`; the
+turn waits for that load) — each on a stored copy of its own of the
 conversation, with each request's time to its first streamed token, and the escalated answers compared token by
 token. The native request sent again finds the whole history in the target's own prefix cache: the time to first
 token of a switch whose K/V cost nothing to bring — the ceiling any transfer can reach in this engine.
@@ -40,9 +41,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import KVBridgeError
-from .bench import CACHE_HITS, MAP_SECONDS, metric, parse_metrics
-from .config import PREWARM
+from ...errors import KVBridgeError
+from ..engine.config import PREWARM
+from .ttft import CACHE_HITS, MAP_SECONDS, metric, parse_metrics
 
 WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
 # ways reading a stored copy of the conversation of their own (their salt); prewarmed's copy asks for prewarming
@@ -57,7 +58,7 @@ READ_SECONDS = "vllm:kvbridge_read_seconds_total"  # the loads that read a store
 LOADED = "vllm:prompt_tokens_by_source_total|external_kv_transfer"  # prompt tokens the connector loaded
 HITS = "vllm:prompt_tokens_by_source_total|local_cache_hit"  # prompt tokens found in the engine's prefix cache
 LMCACHE = "lmcache"  # the way through a second pair whose source stores through LMCache (cascade-bench --lmcache)
-# the connector's phases (kvbridge.serving.connector.PHASES; not imported: that module imports vLLM)
+# the connector's phases (kvbridge.serving.engine.connector.PHASES; not imported: that module imports vLLM)
 PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
 
 
@@ -142,7 +143,7 @@ def launched_pair(source_args: list[str], target_args: list[str], log_dir: str |
     """Both servers as subprocesses (the source first: it creates the store, and the target then takes its block
     size; ``together``: both at once, where both use the engine's default block size or share no store, LMCache's:
     the target's connector finds the store once it exists); yields (source URL, target URL)."""
-    from .server import launched, launched_together
+    from ..launch import launched, launched_together
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +161,7 @@ def conversation_texts(tokenizer, count: int, history_tokens: int, seed: int = 0
                        question_tokens: int = 24) -> list[list[str]]:
     """``count`` conversations' three user messages from held-out documents: two long ones (together about
     ``history_tokens`` tokens with the source's answers) and an escalated question of ``question_tokens``."""
-    from .bench import heldout_stream
+    from .ttft import heldout_stream
 
     stream = heldout_stream(tokenizer)
     long = max(16, (history_tokens - 2 * ANSWER_TOKENS - 40) // 2)
@@ -262,7 +263,8 @@ async def _settled(url: str, before: dict[str, float], timeout_s: float = 5.0) -
 
 
 def _read_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """ms by phase (:data:`kvbridge.serving.connector.PHASES`) of the connector's store reads between two scrapes."""
+    """ms by phase (:data:`kvbridge.serving.engine.connector.PHASES`) of the connector's store reads between two
+    scrapes."""
     out = {}
     for key, value in after.items():
         if key.startswith(READ_SECONDS + "|") and value > before.get(key, 0.0):
@@ -528,7 +530,7 @@ def _lmcache_figures(results: list[dict], lengths: list[int], native_ms: float) 
 def resampled_interval(values: list[float], replicates: int = 2000, seed: int = 0,
                        statistic=statistics.median) -> tuple[float, float]:
     """A 95 % bootstrap interval of ``statistic`` (the median) of ``values`` (resampled with a fixed seed)."""
-    from ..evaluate import percentile_interval
+    from ...measure.evaluate import percentile_interval
 
     rng = random.Random(seed)
     return percentile_interval([statistic(rng.choices(values, k=len(values))) for _ in range(replicates)])
@@ -736,7 +738,7 @@ def _lmcache_lines(report: dict, extra: dict) -> list[str]:
 
 
 def write_cascade(report: dict, json_path: str) -> None:
-    from ..outputs import write_text
+    from ...core.outputs import write_text
 
     write_text(json_path, json.dumps(report, indent=2) + "\n")
     write_text(str(Path(json_path).with_suffix(".md")), cascade_table(report) + "\n")

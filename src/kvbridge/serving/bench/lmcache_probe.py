@@ -1,4 +1,4 @@
-"""What reading the source engine's K/V from LMCache costs: ``python -m kvbridge.serving.lmcache_probe``.
+"""What reading the source engine's K/V from LMCache costs: ``python -m kvbridge.serving.bench.lmcache_probe``.
 
 Starts an LMCache server (stopped at the end, by its own process id) and a vLLM engine serving the source with
 vLLM's ``LMCacheMPConnector`` (the llama-4 override kvbridge gives every engine), has the engine answer prompts of
@@ -16,7 +16,8 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbridge.serving.lmcache_probe", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m kvbridge.serving.bench.lmcache_probe",
+                                description=__doc__.split("\n\n")[1])
     p.add_argument("--source", help="source model folder (default: the embedded family's)")
     p.add_argument("--lengths", default="512,1024,1900", help="prompt lengths in tokens (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="reads timed per prompt (default: %(default)s)")
@@ -26,12 +27,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .. import family
-    from ..models import cache_kv, load_model, prefill
-    from .bench import heldout_stream, token_windows
-    from .config import engine_kwargs
-    from .lmcache_store import Geometry, LMCacheSource, page_layout, source_transfer_config, start_server, stop_server
-    from .server import cpu_defaults
+    from ... import family
+    from ...core.models import cache_kv, load_model, prefill
+    from ..engine.config import engine_kwargs
+    from ..launch import cpu_defaults
+    from ..store.lmcache_store import (
+        Geometry,
+        LMCacheSource,
+        page_layout,
+        source_transfer_config,
+        start_server,
+        stop_server,
+    )
+    from .ttft import heldout_stream, token_windows
 
     cpu_defaults()
     source = args.source or family.source_path()
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_server(process)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python -m kvbridge.serving.lmcache_probe", "rows": rows}, f, indent=1)
+            json.dump({"command": "python -m kvbridge.serving.bench.lmcache_probe", "rows": rows}, f, indent=1)
     return 0
 
 

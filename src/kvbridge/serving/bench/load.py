@@ -40,8 +40,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from ..errors import KVBridgeError
-from .bench import parse_metrics
+from ...errors import KVBridgeError
+from .ttft import parse_metrics
 
 WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
@@ -247,7 +247,7 @@ async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | 
         return
     from pathlib import Path
 
-    from .store import JOURNAL_FILE
+    from ..store.folder import JOURNAL_FILE
 
     quiet_s = QUIET_S if quiet_s is None else quiet_s
     deadline = time.monotonic() + (QUIET_MAX_S if max_s is None else max_s)

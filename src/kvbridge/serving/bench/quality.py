@@ -19,9 +19,9 @@ import math
 import os
 import time
 
-from ..scoring import Score, check_per_context
-from ..transfer import held_back_tokens
-from .config import HOLD_BACK, PARAM, ServeConfig
+from ...core.scoring import Score, check_per_context
+from ...core.transfer import held_back_tokens
+from ..engine.config import HOLD_BACK, PARAM, ServeConfig
 
 
 class EngineScorer:
@@ -33,8 +33,9 @@ class EngineScorer:
         self._count = itertools.count()
 
     def held_back(self, context: list[int]) -> int:
-        """The context tokens the engine computes itself: Bridge's rule (:func:`kvbridge.transfer.held_back_tokens`),
-        applied to a call's shortest context as Bridge applies it to a batch's."""
+        """The context tokens the engine computes itself: Bridge's rule
+        (:func:`kvbridge.core.transfer.held_back_tokens`), applied to a call's shortest context as Bridge applies it
+        to a batch's."""
         return held_back_tokens(self.hold_back, len(context))
 
     def salt(self) -> str:
@@ -45,7 +46,7 @@ class EngineScorer:
                   per_context: int = 1) -> list[Score]:
         from vllm import SamplingParams
 
-        from . import mapped_request
+        from .. import mapped_request
 
         check_per_context(contexts, continuations, per_context)
         held = self.held_back(min(contexts, key=len))  # one count per call, as Bridge holds back per batch
@@ -82,8 +83,8 @@ class EngineScorer:
 def engine_retention(llm, config: ServeConfig, bridge, texts: list[str], items: int, lengths: list[int],
                      progress=print) -> dict:
     """Per length: the family tasks with Bridge (native, source, mapped) and the engine's mapped column."""
-    from ..evaluate import capped_mean_retention as capped_mean
-    from ..evaluate import family_tasks, gap_cell, mean_retention
+    from ...measure.evaluate import capped_mean_retention as capped_mean
+    from ...measure.evaluate import family_tasks, gap_cell, mean_retention
 
     scorer = EngineScorer(llm, config, bridge.tokenizer, bridge.hold_back)
     report = {"items": items, "lengths": {}}

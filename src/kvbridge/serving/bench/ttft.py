@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import KVBridgeError
+from ...errors import KVBridgeError
 
 MODES = ("native", "mapped")
 MAP_SECONDS = "vllm:kvbridge_map_seconds_total"
@@ -94,7 +94,7 @@ class EngineRow:
 
 def heldout_stream(tokenizer) -> list[int]:
     """The family's held-out texts as one token stream (no special tokens)."""
-    from .. import family
+    from ... import family
 
     return [t for text in family.heldout_texts() for t in tokenizer(text, add_special_tokens=False,
                                                                     verbose=False)["input_ids"]]
@@ -246,7 +246,7 @@ def plot_engine(report: dict, path: str) -> None:
 
 def write_report(report: dict, json_path: str) -> None:
     """``json_path`` and, beside it, the table as ``.md``."""
-    from ..outputs import write_text
+    from ...core.outputs import write_text
 
     write_text(json_path, json.dumps(report, indent=2) + "\n")
     write_text(str(Path(json_path).with_suffix(".md")), engine_table(report) + "\n")

@@ -1,7 +1,7 @@
 """What a kvbridge connector inside a vLLM engine needs to know, and the engine arguments that set it up.
 
 No vLLM import here: :func:`engine_kwargs` builds the keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs``
-(``kvbridge.serving.server.vllm_argv`` the same as ``vllm serve`` flags), so they can be checked without an engine.
+(``kvbridge.serving.launch.vllm_argv`` the same as ``vllm serve`` flags), so they can be checked without an engine.
 
 A request says how its prompt's prefix is built with ``kv_transfer_params={"kvbridge": MODE}``:
 
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, UnsupportedModelError
+from ...errors import InputError, UnsupportedModelError
 
 MODES = ("mapped", "native", "auto")
 PARAM = "kvbridge"  # the key of kv_transfer_params a request sets
@@ -49,9 +49,9 @@ NATIVE_REST = "kvbridge_native_rest"  # and how many tokens after a stored prefi
 LOAD = "kvbridge_load"  # and whether its map runs inside the engine's step ("sync") or beside it ("async")
 LOADS = ("sync", "async")
 CONNECTOR = "KVBridgeConnector"
-CONNECTOR_MODULE = "kvbridge.serving.connector"
+CONNECTOR_MODULE = "kvbridge.serving.engine.connector"
 PRODUCER = "KVBridgeSourceConnector"
-PRODUCER_MODULE = "kvbridge.serving.producer"
+PRODUCER_MODULE = "kvbridge.serving.engine.producer"
 NAMESPACE_PREFIX = "kvbridge-"
 MAX_SALT = 128  # vLLM's limit on cache_salt
 
@@ -90,14 +90,15 @@ class ServeConfig(ExtraConfig):
     hold-back (a conversation's new turn), the engine computes them itself over the stored prefix instead of the
     source prefilling them for the mapper (0: never — the warm prefix then equals the cold path's);
     ``store_memory_bytes``: blocks the source engine maps ahead are loaded into the worker's memory as they are
-    announced, up to this many bytes (:mod:`kvbridge.serving.hot`; 0: read from the folder when a request needs them).
+    announced, up to this many bytes (:mod:`kvbridge.serving.store.hot`; 0: read from the folder when a request needs
+    them).
     ``sync_load`` (default): a mapped request's source prefill and map (or store read and map) run inside the
     engine's step, every running request waiting for them; false: in a worker thread beside the steps (vLLM's
     asynchronous KV load: the request waits in ``WAITING_FOR_REMOTE_KVS`` and joins once its blocks are written).
     Synchronous is the default because it measured better on a 2-core CPU (``kvbridge load-bench``: the thread's map
     competes with the engine's steps for the cores and the interpreter, and took 1.7× as long).
     ``lmcache``: instead of ``store``, the URL (``tcp://host:port``) of the LMCache server a source engine stores its
-    K/V in through vLLM's ``LMCacheMPConnector`` (:mod:`kvbridge.serving.lmcache_store`; whole LMCache chunks, no
+    K/V in through vLLM's ``LMCacheMPConnector`` (:mod:`kvbridge.serving.store.lmcache_store`; whole LMCache chunks, no
     map-ahead); ``lmcache_model``: the model name that engine was given (LMCache keys by it; default: ``source``,
     as ``kvbridge serve-source`` gives it); ``lmcache_timeout_s``: the longest wait for one LMCache round trip.
     """
@@ -132,7 +133,7 @@ class ServeConfig(ExtraConfig):
         if self.store is not None and (not isinstance(self.store, str) or not self.store):
             raise InputError(f"kvbridge serving: store must be a folder, not {self.store!r}.")
         if self.lmcache is not None:
-            from .lmcache_store import parse_url
+            from ..store.lmcache_store import parse_url
 
             parse_url(self.lmcache)
             if self.store is not None:
@@ -161,13 +162,13 @@ class ServeConfig(ExtraConfig):
 
 @dataclass(frozen=True)
 class StoreConfig(ExtraConfig):
-    """The source engine's connector settings (:mod:`kvbridge.serving.producer`): the ``store`` folder, its
+    """The source engine's connector settings (:mod:`kvbridge.serving.engine.producer`): the ``store`` folder, its
     ``cap_bytes`` (least recently used blocks go beyond it), and the ``source`` checkpoint folder when the engine
     serves it under another path (its identity is read from it; default: the served model). ``mapper`` and
     ``target`` (folders): map ahead — each stored block is also mapped into the target's K/V, in the background,
     so that the target's connector reads it instead of mapping it; ``dtype``: the map's (``auto``: float32 on CPU,
     bfloat16 on a GPU, as the target's connector; entries of another dtype are not read there). ``prewarm``: every
-    request asks the target's server to load its conversation ahead (:mod:`kvbridge.serving.prewarm`; per request
+    request asks the target's server to load its conversation ahead (:mod:`kvbridge.serving.store.prewarm`; per request
     ``kv_transfer_params={"kvbridge_prewarm": true | false}``)."""
 
     store: str
@@ -203,7 +204,7 @@ def check_map_ahead(mapper_dir: str) -> None:
     """Refuse map-ahead for a pair whose RoPE depends on the prompt's length (``dynamic``): a block is mapped before
     the prompt's end is known, so its keys would be un-rotated or rotated at other frequencies than the whole
     prompt's map uses."""
-    from ..mapper import read_config
+    from ...core.mapper import read_config
 
     config = read_config(mapper_dir)
     for role, info in (("source", config.source), ("target", config.target)):
@@ -216,8 +217,8 @@ def check_map_ahead(mapper_dir: str) -> None:
 def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
     """The prefix-cache namespace of mapped K/V: the mapper's checksums file (its weights and mapper.json) and the
     runtime options the requests run with, hashed. Two servers with the same mapper and options share it."""
-    from ..artifact import CHECKSUMS_FILE
-    from ..hashing import sha256_json
+    from ...core.artifact import CHECKSUMS_FILE
+    from ...core.hashing import sha256_json
 
     checksums = (Path(mapper_dir) / CHECKSUMS_FILE).read_text(encoding="utf-8")
     return NAMESPACE_PREFIX + sha256_json({"checksums": checksums, "runtime": runtime})[:32]
@@ -225,7 +226,7 @@ def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _namespace_of(mapper: str, runtime_json: str) -> str:
-    from ..mapper import read_config
+    from ...core.mapper import read_config
 
     runtime = read_config(mapper).runtime.override(**json.loads(runtime_json)).to_dict()
     return namespace(mapper, runtime)

@@ -30,7 +30,7 @@ natively; the request is answered, the fallback counted, logged, and named in th
 A prompt the source cannot hold (longer than its positions) is prefilled natively from the start.
 
 Approximate K/V stay approximate: with prefix caching on, the connector maps only requests whose
-``cache_salt`` lies in the mapper's namespace (:func:`kvbridge.serving.config.namespace`; ``kvbridge serve``
+``cache_salt`` lies in the mapper's namespace (:func:`kvbridge.serving.engine.config.namespace`; ``kvbridge serve``
 sets it), so mapped blocks are never a prefix-cache hit for a native request or another mapper's.
 """
 
@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
 
-from ..errors import CompatibilityError, UnsupportedModelError
+from ...errors import CompatibilityError, UnsupportedModelError
 from .config import (
     PARAM,
     ServeConfig,
@@ -239,7 +239,7 @@ def target_copy(config: ServeConfig, runtime, dtype: torch.dtype):
     weights only when ``runtime`` (the mapper's options with the server's overrides) runs them (selective
     recompute, a native sink, the target's own first layers); otherwise its config and rotary module, what the map's
     RoPE needs (on the real 8B in bfloat16 the copy would be another 15.8 GiB on the engine's device)."""
-    from ..models import load_model, load_rope_model
+    from ...core.models import load_model, load_rope_model
 
     load = load_model if runtime.recompute > 0 or runtime.sink or runtime.native_layers else load_rope_model
     return load(config.target, device=config.device, dtype=dtype)
@@ -247,11 +247,11 @@ def target_copy(config: ServeConfig, runtime, dtype: torch.dtype):
 
 class KVBridgeConnector(KVConnectorBase_V1):
     """The kvbridge connector: ``kv_connector="KVBridgeConnector"``, ``kv_connector_module_path=
-    "kvbridge.serving.connector"``, settings in ``kv_connector_extra_config`` (:class:`ServeConfig`)."""
+    "kvbridge.serving.engine.connector"``, settings in ``kv_connector_extra_config`` (:class:`ServeConfig`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        from ..mapper import read_config
+        from ...core.mapper import read_config
 
         self.config = ServeConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config or {})
         served = vllm_config.model_config.model
@@ -305,11 +305,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._loader: ThreadPoolExecutor | None = None  # the asynchronous loads' thread, once one is asked for
         self._pending: dict[str, tuple[Load, Future]] = {}  # request id -> its asynchronous load
         self._store = None  # the source engine's KV store, once it exists
-        self._hot = None  # its blocks mapped ahead by this map, in memory (kvbridge.serving.hot)
+        self._hot = None  # its blocks mapped ahead by this map, in memory (kvbridge.serving.store.hot)
         self._clock = None  # when the engine's steps run (the prefetch waits for a quiet spell)
         self._identity: str | None = None
         self._map_id: str | None = None  # the map whose entries the source engine mapped ahead
-        self._lmcache = None  # the source engine's K/V in LMCache (kvbridge.serving.lmcache_store), with lmcache
+        self._lmcache = None  # the source engine's K/V in LMCache (kvbridge.serving.store.lmcache_store), with lmcache
         self._refusals: dict[str, str] = {}  # request id -> why its stored prefix was not (all) used
         if role == KVConnectorRole.WORKER:
             self._bridge = self._load_bridge()
@@ -317,7 +317,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._lmcache = self._lmcache_source(vllm_config, reads=False)
         elif self.config.store:  # the scheduler counts how much of a prompt is stored (no weights loaded)
             try:
-                from .store import folder_identity
+                from ..store.folder import folder_identity
 
                 self._identity = folder_identity(self.config.source)
             except Exception as exc:  # the store is an optimization: every prompt token is then loaded
@@ -328,9 +328,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
     def _load_bridge(self):
         """Source, mapper and target (:func:`target_copy`) where the config says; checked against each other."""
-        from ..mapper import Mapper
-        from ..models import load_model, resolve_dtype
-        from ..transfer import Bridge
+        from ...core.mapper import Mapper
+        from ...core.models import load_model, resolve_dtype
+        from ...core.transfer import Bridge
 
         dtype = resolve_dtype(self.config.dtype, self.config.device)
         mapper = Mapper.from_pretrained(self.config.mapper, device=self.config.device, dtype=dtype)
@@ -363,14 +363,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                "mapped from a fresh source prefill (the cold path); serve a mapper without them, or "
                                "--recompute 0", bridge.recompute_by)
         if self.config.store:
-            from ..models import source_hidden_size
-            from .store import identity
+            from ...core.models import source_hidden_size
+            from ..store.folder import identity
 
             info = bridge.source.info
             self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
                                       info.head_dim, source_hidden_size(bridge.source.model))
-            from ..artifact import CHECKSUMS_FILE
-            from .store import map_identity, target_description
+            from ...core.artifact import CHECKSUMS_FILE
+            from ..store.folder import map_identity, target_description
 
             checksums = (Path(self.config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
             self._map_id = map_identity(self._identity, checksums, target_description(bridge.target.info),
@@ -378,7 +378,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             logger.info("kvbridge connector: the source's stored K/V in %s are mapped without a source prefill, "
                         "or read where the source engine mapped them ahead (warm transfer)", self.config.store)
             if self.config.store_memory_bytes > 0:
-                from .hot import HotEntries
+                from ..store.hot import HotEntries
                 from .idle import StepClock
 
                 self._clock = StepClock()
@@ -392,7 +392,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         """The reader of the source engine's K/V in LMCache: its geometry from the loaded source (or, on the
         scheduler, its config); its pages laid out as this engine lays out its own (the source engine must use the
         same backend, dtype and block size: a layout the reader cannot decode is refused here, by name)."""
-        from .lmcache_store import Geometry, LMCacheSource, page_layout
+        from ..store.lmcache_store import Geometry, LMCacheSource, page_layout
 
         if bridge is not None:
             info = bridge.source.info
@@ -410,7 +410,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def _bridge_free_source_geometry(self) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of the source from its config (no weights loaded)."""
-        from ..models import text_config
+        from ...core.models import text_config
 
         text = text_config(self.config.source)[0]
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -422,7 +422,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if self._store is None and self.config.store:
             from pathlib import Path
 
-            from .store import STORE_FILE, KVStore
+            from ..store.folder import STORE_FILE, KVStore
 
             if (Path(self.config.store) / STORE_FILE).exists():
                 self._store = KVStore(self.config.store, verify=self.config.store_verify)
@@ -465,8 +465,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         ``refusal`` says why a store entry was skipped (None: none was); whatever
         fails with the store's entries, the cold path answers. ``phases``: where the time went, added to it in ms
         (:data:`PHASES`; the read's phases only when a store was consulted)."""
-        from ..models import cache_kv
-        from ..recompute import Stored
+        from ...core.models import cache_kv
+        from ...core.recompute import Stored
 
         phases = {} if phases is None else phases
 
@@ -502,7 +502,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
-                    from .store import all_finite, chain_seed
+                    from ..store.folder import all_finite, chain_seed
 
                     seed, ahead = chain_seed(self._identity, salt), None
                     if use_store in (True, "folder"):  # the blocks mapped ahead, read once ("source": ignored)
@@ -744,7 +744,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             store = self.store()
             if store is None:
                 return end
-            from .store import chain_seed
+            from ..store.folder import chain_seed
 
             limit, stored = self._counted.get(request.request_id, (None, 0))
             if limit != end:

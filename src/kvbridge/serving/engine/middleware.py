@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import InputError
+from ...errors import InputError
 from .config import (
     HOLD_BACK,
     LOAD,

@@ -7,10 +7,10 @@ the engine serves: every request is prefilled and decoded as usual. Alongside, f
 (prompt or generated), the connector keeps the post-RoPE keys and values the engine writes into its paged cache and
 the model's final hidden state at that token; each time a request's tokens fill a block of ``block_size`` tokens
 (the engine's own block size, so that the engine's prefix-cache hits — whole blocks — are always blocks some
-earlier request stored), the block is written to the :class:`~kvbridge.serving.store.KVStore` by a background
-thread. The target's engine (:mod:`kvbridge.serving.connector`) then maps stored blocks instead of running the
+earlier request stored), the block is written to the :class:`~kvbridge.serving.store.folder.KVStore` by a background
+thread. The target's engine (:mod:`kvbridge.serving.engine.connector`) then maps stored blocks instead of running the
 source again: the map alone replaces the target's prefill. With map-ahead (``StoreConfig.mapper`` and ``target``),
-a second thread maps each stored block (:func:`kvbridge.transfer.map_block`) and stores the target's K/V beside
+a second thread maps each stored block (:func:`kvbridge.core.transfer.map_block`) and stores the target's K/V beside
 it: the target's connector then reads the block instead of mapping it.
 
 What it observes, and how, without a fork of vLLM: the keys and values reach it through the attention backend's own
@@ -39,10 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
+from ..store.folder import KVStore, chain_seed, folder_identity, map_identity, next_key
 from .config import PREWARM, StoreConfig
 from .idle import StepClock, single_threaded
-from .store import KVStore, chain_seed, folder_identity, map_identity, next_key
 
 logger = init_logger("vllm.kvbridge")
 QUEUE_BYTES = 512 << 20  # blocks waiting to be written; beyond, new blocks are dropped (counted), never waited for
@@ -89,7 +89,7 @@ class Pending:
 @dataclass
 class MapAhead:
     """What the map-ahead thread needs to map each stored block: the mapper, the source's and the target's config and
-    rotary module (no weights: :func:`kvbridge.models.load_rope_model`), the map's identity."""
+    rotary module (no weights: :func:`kvbridge.core.models.load_rope_model`), the map's identity."""
 
     mapper: Any
     source: Any
@@ -101,11 +101,11 @@ def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device
     """Load and check the map-ahead parts: the mapper must be fitted for this source (and its ``config.target``),
     neither RoPE may depend on a prompt's length. The map runs in ``config.dtype`` (``auto``: the target
     connector's default on this device), so that its entries equal what that connector would map."""
-    from ..artifact import CHECKSUMS_FILE
-    from ..mapper import Mapper
-    from ..models import load_rope_model, resolve_dtype
+    from ...core.artifact import CHECKSUMS_FILE
+    from ...core.mapper import Mapper
+    from ...core.models import load_rope_model, resolve_dtype
+    from ..store.folder import target_description
     from .config import check_map_ahead
-    from .store import target_description
 
     check_map_ahead(config.mapper)
     dtype = resolve_dtype(config.dtype, device)
@@ -119,7 +119,7 @@ def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device
 
 
 class KVBridgeSourceConnector(KVConnectorBase_V1):
-    """``kv_connector="KVBridgeSourceConnector"``, ``kv_connector_module_path="kvbridge.serving.producer"``,
+    """``kv_connector="KVBridgeSourceConnector"``, ``kv_connector_module_path="kvbridge.serving.engine.producer"``,
     ``kv_role="kv_producer"``, settings in ``kv_connector_extra_config`` (:class:`StoreConfig`)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -153,7 +153,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         source = self.config.source or model_config.model
         if not Path(source).is_dir():  # a hub id: the snapshot vLLM serves
-            from ..models import resolve_model
+            from ...core.models import resolve_model
 
             source = resolve_model(source, model_config.revision)
         self.identity = folder_identity(source)
@@ -180,7 +180,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         self._queued_lock = threading.Lock()
         self._map_queue: queue.Queue | None = None
         self._map_bytes = 0
-        self._clock = StepClock()  # the threads write and map while the engine is idle (kvbridge.serving.idle)
+        self._clock = StepClock()  # the threads write and map while the engine is idle (kvbridge.serving.engine.idle)
         if role == KVConnectorRole.WORKER:
             self._queue = queue.Queue()
             threading.Thread(target=self._writer, name="kvbridge-store-writer", daemon=True).start()
@@ -511,7 +511,7 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         order they were stored). Its lags read the last source tokens of the block before: kept from that block's
         own turn, else read from the store; when neither has them the block is not mapped ahead (the target's
         connector maps it from the source entry)."""
-        from ..transfer import map_block
+        from ...core.transfer import map_block
 
         ahead = self.map_ahead
         keep = ahead.mapper.max_lag

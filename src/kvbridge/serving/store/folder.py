@@ -4,8 +4,9 @@ Letters: L source layers, T tokens of a block, H kv heads, D head dim, S the sou
 
 Warm transfer: when the source model has already served a conversation, its engine has computed the K/V the
 mapper needs; the target's connector maps them instead of running the source again. The source engine's producer
-connector (:mod:`kvbridge.serving.producer`) writes each full block of ``block_tokens`` tokens it computes (prompt
-or generated) as one entry; the target's connector (:mod:`kvbridge.serving.connector`) reads the longest stored
+connector (:mod:`kvbridge.serving.engine.producer`) writes each full block of ``block_tokens`` tokens it computes
+(prompt or generated) as one entry; the target's connector (:mod:`kvbridge.serving.engine.connector`) reads the longest
+stored
 prefix of a prompt, block by block; the target engine computes a short rest itself (a conversation's new turn),
 the source runs over a longer one.
 
@@ -50,8 +51,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError, UnsupportedModelError
-from ..hashing import sha256_bytes, sha256_json
+from ...core.hashing import sha256_bytes, sha256_json
+from ...errors import InputError, UnsupportedModelError
 
 FORMAT = "kvbridge-source-kv"
 MAPPED_FORMAT = "kvbridge-mapped-kv"  # a block's target K/V, mapped ahead by the source engine (map-ahead)
@@ -77,7 +78,7 @@ def folder_identity(local_dir: str) -> str:
     """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
     from transformers import AutoTokenizer
 
-    from ..models import text_config, tokenizer_fingerprint, weights_fingerprint
+    from ...core.models import text_config, tokenizer_fingerprint, weights_fingerprint
 
     config, _ = text_config(local_dir)
     weights = weights_fingerprint(local_dir)
@@ -101,7 +102,7 @@ def map_identity(source_identity: str, mapper_checksums: str, target: dict, dtyp
 
 
 def target_description(info) -> dict:
-    """What of the target (a :class:`kvbridge.models.ModelInfo`) the mapped keys and values depend on beyond the
+    """What of the target (a :class:`kvbridge.core.models.ModelInfo`) the mapped keys and values depend on beyond the
     mapper: its KV geometry and RoPE."""
     return {"geometry": [info.num_layers, info.num_kv_heads, info.head_dim], "rope": info.rope.to_dict()}
 
@@ -153,10 +154,10 @@ def _shared(stored: list[int], ids: list[int], start: int, limit: int) -> int:
 class Found:
     """The longest stored prefix of a prompt: ``tokens`` of it, as the entries' blocks (``parts``: per block its
     keys and values (L, t, H, D), hidden states (t, S; None for mapped entries) and whether it came from memory
-    (:mod:`kvbridge.serving.hot`: verified when it was loaded)); per-layer ``keys`` and ``values`` (1, H, tokens, D)
-    and ``hidden`` (1, tokens, S) assembled from them when first read; ``refused``: entries skipped (another
-    identity, torn, corrupted), with the reason of the first; ``chain``: the keys of the full blocks found (a
-    caller that marks them used need not hash the prompt again)."""
+    (:mod:`kvbridge.serving.store.hot`: verified when it was loaded)); per-layer ``keys`` and ``values``
+    (1, H, tokens, D) and ``hidden`` (1, tokens, S) assembled from them when first read; ``refused``: entries
+    skipped (another identity, torn, corrupted), with the reason of the first; ``chain``: the keys of the full
+    blocks found (a caller that marks them used need not hash the prompt again)."""
 
     tokens: int
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = field(default_factory=list)
@@ -295,14 +296,14 @@ class KVStore:
     # -- the journal of mapped entries ---------------------------------------------------------------
     def announce(self, path: Path) -> None:
         """Note a mapped entry just written in the journal (one ``O_APPEND`` write per line), so that a target's
-        connector can load it into memory before a request needs it (:mod:`kvbridge.serving.hot`). A hint only:
+        connector can load it into memory before a request needs it (:mod:`kvbridge.serving.store.hot`). A hint only:
         nothing is lost when it cannot be written."""
         self._append(JOURNAL_FILE, str(path.relative_to(self.root)))
 
     def announce_prewarm(self, tail: Path, salt: str | None) -> None:
         """Ask the target's server to load the conversation that ends with the source entry ``tail`` (its tail, or its
         last full block's entry when it ended on a block boundary) into its prefix cache now
-        (:mod:`kvbridge.serving.prewarm`): a line of the prewarm journal, with the request's client ``salt`` (its
+        (:mod:`kvbridge.serving.store.prewarm`): a line of the prewarm journal, with the request's client ``salt`` (its
         chain's seed, and the target request's salt). A hint too."""
         self._append(PREWARM_FILE, json.dumps({"tail": str(tail.relative_to(self.root)), "salt": salt,
                                                "time": time.time()}))
@@ -570,7 +571,8 @@ class KVStore:
         stored, then the part of a request's final partial block (a tail) that matches; the first missing or
         refused entry ends it (the rest must be computed). ``map_id``: the mapped entries of that map along the
         same chain (``seed`` and ``identity_`` stay the source's; ``hidden`` is then None); ``hot``: where a mapped
-        entry is first looked for (path -> its verified tensors or None: :class:`kvbridge.serving.hot.HotEntries`)."""
+        entry is first looked for (path -> its verified tensors or None:
+        :class:`kvbridge.serving.store.hot.HotEntries`)."""
         found = Found(0)
         parent = seed
         bt = self.block_tokens

@@ -7,7 +7,7 @@ embedded family at 2,000 tokens, 16 files of 512 KB: reading, checking (CRC-32, 
 parsing them took most of the connector's few milliseconds on the request's path. Those blocks were written well
 before the escalation (as the source served its turns), so the target's connector loads them into memory as they
 appear: the source engine announces each mapped entry in the store's journal (:meth:`KVStore.announce`), and a
-thread of the target's worker reads the journal, waits for an idle engine (:class:`~kvbridge.serving.idle
+thread of the target's worker reads the journal, waits for an idle engine (:class:`~kvbridge.serving.engine.idle
 .StepClock`), and loads the entries of its own map, checked as a read from the folder checks them — plus finite
 values, so that a block in memory needs no check on the request's path. The request's lookup then finds them in
 memory (:meth:`KVStore.lookup`'s ``hot``), and the connector writes them block by block into the engine's cache.
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from .idle import StepClock, single_threaded
-from .store import all_finite, mapped_suffix
+from ..engine.idle import StepClock, single_threaded
+from .folder import all_finite, mapped_suffix
 
 POLL_S = 0.05  # how often the journal is read
 DEFAULT_CAP = 1 << 30  # 1 GiB of mapped blocks in memory
@@ -45,7 +45,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 class HotEntries:
     """Mapped entries of ``map_id`` held in memory, up to ``cap_bytes``; ``store()`` returns the
-    :class:`~kvbridge.serving.store.KVStore` (None until it exists). :meth:`start` runs the prefetch thread;
+    :class:`~kvbridge.serving.store.folder.KVStore` (None until it exists). :meth:`start` runs the prefetch thread;
     :meth:`get` is the lookup's ``hot``."""
 
     def __init__(self, store: Callable, map_id: str, cap_bytes: int = DEFAULT_CAP, clock: StepClock | None = None,

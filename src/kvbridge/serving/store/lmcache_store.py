@@ -9,7 +9,7 @@ engine's model name, its token prefix and the request's ``cache_salt``. The targ
 of a prompt's tokens are stored, whole chunks only), a retrieve into pages of the source engine's layout registered
 with the server, then those pages decoded into per-layer K/V (:func:`decode_pages`: the CPU backend's fp32 layout;
 any other is refused by name) and range-checked (NaN, Inf and magnitudes no model's K/V reach are refused like a
-corrupted entry). The answer has the folder store's shape (:class:`kvbridge.serving.store.Found`, without hidden
+corrupted entry). The answer has the folder store's shape (:class:`kvbridge.serving.store.folder.Found`, without hidden
 states: LMCache keeps K/V only), so the connector's warm path takes it as it takes the folder's.
 
 Nothing here raises into the engine: a miss is zero tokens, a foreign entry (another model name or salt) is a miss
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError, UnsupportedModelError
-from .store import Found
+from ...errors import InputError, UnsupportedModelError
+from .folder import Found
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # (LMCache reports usage unless told not to)
 

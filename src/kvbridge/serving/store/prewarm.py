@@ -7,9 +7,9 @@ history is a prefix-cache hit (the ceiling of any transfer). When a client expec
 target (a router's low confidence, a cascade's policy), it asks the source for it: ``kv_transfer_params=
 {"kvbridge_prewarm": true}`` on the source's request (``kvbridge serve-source --prewarm``: every request). Once the
 source engine has stored and mapped ahead that request's blocks, it announces the conversation in the store's
-prewarm journal (:meth:`~kvbridge.serving.store.KVStore.announce_prewarm`: the tail entry it ended with, and the
+prewarm journal (:meth:`~kvbridge.serving.store.folder.KVStore.announce_prewarm`: the tail entry it ended with, and the
 request's client salt). A thread of ``kvbridge serve`` (this module) reads the journal, walks the conversation's
-chain of stored entries back to its first block (:meth:`~kvbridge.serving.store.KVStore.conversation`: every key
+chain of stored entries back to its first block (:meth:`~kvbridge.serving.store.folder.KVStore.conversation`: every key
 checked against its parent and tokens) and sends the target's server a one-token mapped completion of those token
 ids, with the client's salt: the connector loads them (mapped ahead, no source prefill) and vLLM commits the full
 blocks to its prefix cache — in the mapper's namespace, so only mapped requests of this mapper and salt ever hit
@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import PARAM
+from ..engine.config import PARAM
 
 POLL_S = 0.05  # how often the journal is read
 MAX_AGE_S = 30.0  # an announcement older than this when read is skipped: the thread is behind, the turn moved on
@@ -46,7 +46,7 @@ SEEN = 4096  # announcements remembered (each is sent once; a tail announced aga
 
 
 class Prewarmer:
-    """Reads ``store()``'s prewarm journal (``store``: returns the :class:`~kvbridge.serving.store.KVStore`, None
+    """Reads ``store()``'s prewarm journal (``store``: returns the :class:`~kvbridge.serving.store.folder.KVStore`, None
     until it exists) and sends each conversation to ``url`` (the server's base URL; ``api_key``: its key, if it
     has one) as a one-token mapped completion of ``model``. The journal is read once the server answers
     ``/v1/models``, which also gives the longest conversation it takes (``max_model_len``). ``identity``: the
