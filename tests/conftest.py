@@ -1,7 +1,7 @@
 """Tiny real checkpoints built on the fly: a BPE tokenizer and randomly initialised decoders.
 
 They go through exactly the loading path of hub checkpoints (``save_pretrained`` → folder →
-``kvbridge.models.load_model``), including a multimodal Ministral-3 (``Mistral3ForConditionalGeneration``).
+``kvbridge.core.models.load_model``), including a multimodal Ministral-3 (``Mistral3ForConditionalGeneration``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def corpus_texts(n: int = 400) -> list[str]:
 def model_info(name: str, layers: int, kv_heads: int, head_dim: int, *, rope=None, max_positions: int = 4096,
                revision: str | None = None, architecture: str = "Ministral3ForCausalLM", tokenizer: str = "tok"):
     """A ModelInfo by keyword (the one way tests build one): geometry first, identity and RoPE defaulted."""
-    from kvbridge.models import ModelInfo
-    from kvbridge.rope import RopeSpec
+    from kvbridge.core.models import ModelInfo
+    from kvbridge.core.rope import RopeSpec
 
     return ModelInfo(name_or_path=name, revision=revision, architecture=architecture, num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, max_positions=max_positions,
@@ -53,7 +53,7 @@ def model_info(name: str, layers: int, kv_heads: int, head_dim: int, *, rope=Non
 
 def build_tokenizer(directory, vocab_size: int = 320):
     """The embedded family's tokenizer recipe at a tiny vocabulary, trained on stdlib docstrings."""
-    from kvbridge.family.train import train_tokenizer
+    from kvbridge.family.training.train import train_tokenizer
 
     tokenizer = train_tokenizer(corpus_texts(200), vocab_size)
     tokenizer.save_pretrained(directory)
@@ -63,8 +63,8 @@ def build_tokenizer(directory, vocab_size: int = 320):
 def long_recall(pair, long_rows) -> tuple[float, float, float]:
     """(target, source, target's floor) accuracy at recalling a random span stated ≥ 900 tokens earlier in
     ``long_rows`` (the family task), for an embedded family's ``(source, target)``."""
-    from kvbridge.evaluate import frequent_ids, recall_items
-    from kvbridge.scoring import score_plain
+    from kvbridge.core.scoring import score_plain
+    from kvbridge.measure.evaluate import frequent_ids, recall_items
 
     source, target = pair
     ctx, floor_ctx, cont = recall_items(long_rows, frequent_ids(long_rows, set(target.tokenizer.all_special_ids),
@@ -114,7 +114,7 @@ def tiny_pair(tmp_path_factory):
 def tiny_models(tiny_pair):
     """The tiny pair loaded: (source, target, texts)."""
     from kvbridge import load_model
-    from kvbridge.texts import read_texts
+    from kvbridge.fit.texts import read_texts
 
     source, target, texts = tiny_pair
     return load_model(source), load_model(target), read_texts(texts)
@@ -126,7 +126,7 @@ TINY_FIT = dict(num_texts=8, seq_len=64, heldout_texts=2, mlp_steps=20, tune_ste
 
 def mapped(mapper, source_model, ids):
     """``mapper``'s target keys and values from ``source_model``'s cache of ``ids`` (no padding)."""
-    from kvbridge.models import prefill_content
+    from kvbridge.core.models import prefill_content
 
     keys, values, _ = prefill_content(source_model.model, ids, torch.ones_like(ids))
     return mapper.map(keys, values)

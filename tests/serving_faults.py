@@ -1,7 +1,7 @@
 """A kvbridge connector whose map fails for prompts that start with FAULT_MARKER (the serving tests' injected
 failure: every other request goes through the real connector unchanged). Loaded by the engine from this folder."""
 
-from kvbridge.serving.connector import KVBridgeConnector
+from kvbridge.serving.engine.connector import KVBridgeConnector
 
 FAULT_MARKER = "# FAULT INJECTED HERE\n"
 

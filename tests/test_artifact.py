@@ -7,11 +7,11 @@ import torch
 from conftest import model_info
 
 from kvbridge import Mapper
-from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, verify_artifact
 from kvbridge.cli import main
+from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, verify_artifact
+from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.rope import RopeSpec
 from kvbridge.errors import ArtifactError
-from kvbridge.mapper import MapperConfig
-from kvbridge.rope import RopeSpec
 
 
 def random_mapper(seed=0) -> Mapper:

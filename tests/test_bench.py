@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import model_info
 
-from kvbridge.bench import cache_prefill_flops, map_flops, path_flops, prefill_flops, recompute_flops
 from kvbridge.cli import main
-from kvbridge.mapper import Mapper, MapperConfig
-from kvbridge.rope import RopeSpec
+from kvbridge.core.mapper import Mapper, MapperConfig
+from kvbridge.core.rope import RopeSpec
+from kvbridge.measure.bench import cache_prefill_flops, map_flops, path_flops, prefill_flops, recompute_flops
 
 
 def test_prefill_flops_match_a_hand_count():
@@ -101,7 +101,7 @@ def test_real_geometry_matches_the_published_artifact():
 
     from transformers import Ministral3Config
 
-    from kvbridge.bench_real import CONFIGS
+    from kvbridge.measure.bench_real import CONFIGS
 
     configs = {}
     for name in ("ministral3-3b-text", "ministral3-8b-text"):
@@ -147,18 +147,18 @@ def test_mapped_path_flops_add_up_its_parts():
 
 
 def test_the_plan_prints_the_ttft_limit_of_the_defaults_at_the_published_geometry():
-    from kvbridge.bench_real import plan_table
+    from kvbridge.measure.bench_real import plan_table
 
     table = plan_table()
     assert "TTFT FLOP limit @1,024" in table and "kvbridge fit's defaults (top-k 1, levers, recompute" in table
 
 
 def test_the_gpu_suite_runs_tiny_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
-    """`python -m kvbridge.suite OUT --tiny`: the plan, a map's tables eager and "graphed" (eager here,
+    """`python -m kvbridge.measure.suite OUT --tiny`: the plan, a map's tables eager and "graphed" (eager here,
     with the reason), the published fit beside its plan and the goals, in suite.json and suite.md."""
     import json
 
-    from kvbridge.suite import main
+    from kvbridge.measure.suite import main
 
     main([str(tmp_path / "suite"), "--tiny", "--device", "cpu", "--contexts", "64", "--trials", "1", "--warmup", "1",
           "--maps", "defaults"])
@@ -176,8 +176,8 @@ def test_the_gpu_suite_runs_tiny_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
 
 
 def test_bench_real_fit_runs_and_puts_the_plan_beside_it(capsys):
-    """`python -m kvbridge.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""
-    from kvbridge.bench_real import main
+    """`python -m kvbridge.measure.bench_real --fit --tiny`: the fit's time and measured peak beside kvbridge plan's."""
+    from kvbridge.measure.bench_real import main
 
     main(["--fit", "--tiny", "--device", "cpu", "--dtype", "float32", "--fit-texts", "8", "--fit-seq-len", "64"])
     out = capsys.readouterr().out

@@ -10,8 +10,8 @@ import pytest
 from test_measurements import CARD
 
 from kvbridge.cli import main
-from kvbridge.hashing import sha256_file
-from kvbridge.lm_eval_tasks import metric_rows
+from kvbridge.core.hashing import sha256_file
+from kvbridge.measure.lm_eval_tasks import metric_rows
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,8 @@ def test_card_refuses_unrenderable_inputs_and_writes_nothing(artifact, tmp_path,
 def test_a_frontier_json_of_the_old_format_is_refused_with_a_hint(tmp_path):
     import json
 
-    from kvbridge.card import read_frontier
     from kvbridge.errors import InputError
+    from kvbridge.release.card import read_frontier
 
     (tmp_path / "frontier.json").write_text(json.dumps({"points": [{"name": "plain", "ttft_speedup": 1.9}]}))
     with pytest.raises(InputError, match="older kvbridge.*kvbridge frontier --out"):

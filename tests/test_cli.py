@@ -108,8 +108,8 @@ def test_family_stands_for_the_pair_and_is_checked(fitted, capsys, monkeypatch, 
 
 def test_help_lists_every_command(capsys):
     """`kvbridge --help` names every command main() dispatches, the serving ones (own parsers) included."""
-    from kvbridge.cli import COMMANDS, SERVING
-    from kvbridge.serving.commands import PARSERS
+    from kvbridge.cli.app import COMMANDS, SERVING
+    from kvbridge.cli.serving import PARSERS
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvbridge.evaluate import TaskResult, retention, retention_table
+from kvbridge.measure.evaluate import TaskResult, retention, retention_table
 
 # (task, native %, mapped %, floor %, card raw %, card floor-normalized %)
 CARD = [

@@ -10,10 +10,10 @@ from conftest import long_recall
 
 from kvbridge import family
 from kvbridge.cli import main
+from kvbridge.core.transfer import Bridge
 from kvbridge.errors import InputError
-from kvbridge.evaluate import heldout_rows, task_cloze, task_perplexity
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.transfer import Bridge
+from kvbridge.measure.evaluate import heldout_rows, task_cloze, task_perplexity
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_geometry_tokenizer_and_rope_as_documented(pair):
     report = family.report()
     assert report["target"]["parameters"] > 2.5 * report["source"]["parameters"]
     for split in ("calibration", "heldout"):
-        from kvbridge.hashing import sha256_texts
+        from kvbridge.core.hashing import sha256_texts
 
         texts = family.calibration_texts() if split == "calibration" else family.heldout_texts()
         assert sha256_texts(texts) == report["splits"][split]["sha256"]
@@ -138,7 +138,7 @@ def test_demo_quick_runs_to_the_end(tmp_path, capsys):
         assert f"**{row['ttft_speedup']:.2f}×**" in card
     assert manifest["latency"]["rows"] == figures["latency"]
     hashes = {f["name"]: f["sha256"] for f in manifest["files"]}
-    from kvbridge.hashing import sha256_file
+    from kvbridge.core.hashing import sha256_file
 
     assert all(sha256_file(artifact / name) == digest for name, digest in hashes.items())
     run = subprocess.run([sys.executable, str(artifact / "example.py")], capture_output=True, text=True, timeout=300)
@@ -147,7 +147,7 @@ def test_demo_quick_runs_to_the_end(tmp_path, capsys):
 
 
 def test_bench_on_the_family(bridge, tmp_path, capsys):
-    from kvbridge.bench import run_bench
+    from kvbridge.measure.bench import run_bench
 
     rows = run_bench(bridge, [32, 96], warmup=1, trials=5, progress=False)
     for r in rows:
@@ -166,7 +166,7 @@ def long_rows(pair):
 
 def test_both_models_read_long_contexts_better_the_further_they_read(pair, long_rows):
     """Trained with a length curriculum: no degradation past the 256 tokens of the first two stages."""
-    from kvbridge.evaluate import band_perplexity
+    from kvbridge.measure.evaluate import band_perplexity
 
     for loaded in pair:
         bands = band_perplexity(loaded.model, long_rows)
@@ -188,8 +188,8 @@ def test_the_shipped_recommended_mapper_is_what_the_demo_would_fit():
     are the demo's own (a changed default makes the demo fit again, and this test says to refit the artifact:
     `kvbridge fit --source S --target T --texts calibration.jsonl --top-k 1 --lever-top-k 1 --out
     src/kvbridge/family/mapper`)."""
-    from kvbridge.demo import FULL, shipped_mapper
-    from kvbridge.mapper import check_mapper
+    from kvbridge.core.mapper import check_mapper
+    from kvbridge.measure.demo import FULL, shipped_mapper
 
     assert check_mapper(family.mapper_path()) == []
     assert shipped_mapper(FULL) is not None

@@ -7,7 +7,7 @@ import torch
 from conftest import long_recall
 
 from kvbridge import family
-from kvbridge.evaluate import band_perplexity, heldout_rows
+from kvbridge.measure.evaluate import band_perplexity, heldout_rows
 
 DEEP = "deep"
 

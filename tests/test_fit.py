@@ -4,11 +4,11 @@ import pytest
 import torch
 from conftest import model_info
 
+from kvbridge.core.mapper import Mapper, MapperConfig, layer_features
+from kvbridge.core.rope import RopeSpec, apply_rope, remove_rope
 from kvbridge.errors import FitError, InputError
 from kvbridge.fit import FitConfig, solve
-from kvbridge.mapper import Mapper, MapperConfig, layer_features
-from kvbridge.rope import RopeSpec, apply_rope, remove_rope
-from kvbridge.stats import CalibrationStats, KVStats
+from kvbridge.fit.stats import CalibrationStats, KVStats
 
 # source: 4 layers × 2 heads × 8 dims; target: 3 layers × 3 heads × 8 dims (different depth and heads)
 LS, HS, LT, HT, D = 4, 2, 3, 3, 8
@@ -172,7 +172,7 @@ def test_weighted_statistics_equal_repeated_observations():
 def test_blocked_products_and_buffered_updates_equal_one_product():
     """Blocks smaller than the features (and not dividing them) and a buffer that flushes mid-batch change
     nothing but rounding: the accelerator never needs a Gram-sized tensor."""
-    from kvbridge.stats import ObservationBuffer
+    from kvbridge.fit.stats import ObservationBuffer
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(90, 11, generator=g, dtype=torch.float64) * 3 + 50
@@ -197,7 +197,7 @@ def test_blocked_products_and_buffered_updates_equal_one_product():
 
 def test_r2_from_the_factor_equals_r2_from_the_gram():
     """R² = 1 − SSE/SST with SSE computed from G explicitly, and from (G + λI)W = C as the solve does."""
-    from kvbridge.stats import ridge_factor
+    from kvbridge.fit.stats import ridge_factor
 
     g = torch.Generator().manual_seed(8)
     x = torch.randn(200, 9, generator=g, dtype=torch.float64)

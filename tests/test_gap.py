@@ -9,9 +9,9 @@ import pytest
 
 from kvbridge.cli import main
 from kvbridge.errors import InputError
-from kvbridge.evaluate import TaskResult, gap_cell, gap_recovered, retention_table, target_leads
 from kvbridge.family import external
-from kvbridge.freegen import agreement, first_divergence, repetition
+from kvbridge.measure.evaluate import TaskResult, gap_cell, gap_recovered, retention_table, target_leads
+from kvbridge.measure.freegen import agreement, first_divergence, repetition
 
 
 def _result(native, mapped, source, higher=True, task="cloze"):
@@ -107,7 +107,7 @@ def test_gap_command_refuses_bad_input_clearly(argv, message, capsys):
 
 
 def test_lm_eval_table_prints_gap_recovered_where_the_target_leads_beyond_its_stderr():
-    from kvbridge.lm_eval_tasks import eval_table, metric_rows
+    from kvbridge.measure.lm_eval_tasks import eval_table, metric_rows
 
     def run(acc, stderr):
         return {"results": {"arc_easy": {"acc,none": acc, "acc_stderr,none": stderr},

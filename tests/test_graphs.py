@@ -4,10 +4,10 @@ the host), graph plumbing and the fused and low-precision map give the eager res
 import pytest
 import torch
 
-from kvbridge import graphs, rope
-from kvbridge.bench_real import build, random_mapper
+from kvbridge.core import graphs, rope
+from kvbridge.core.transfer import Bridge, content_features, map_source_cache, token_major
 from kvbridge.errors import InputError
-from kvbridge.transfer import Bridge, content_features, map_source_cache, token_major
+from kvbridge.measure.bench_real import build, random_mapper
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ def test_low_precision_features_are_the_float32_ones_rounded(tiny_pair):
     source, _ = tiny_pair
     ids = torch.randint(12, 500, (1, 24), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    from kvbridge.models import cache_kv, positions_from_mask, prefill
-    from kvbridge.rope import rope_factors
+    from kvbridge.core.models import cache_kv, positions_from_mask, prefill
+    from kvbridge.core.rope import rope_factors
 
     keys, values = cache_kv(prefill(source.model, ids, mask, logits="none")[0])
     unrotate = token_major(rope_factors(source.model, positions_from_mask(mask), inverse=True))
@@ -111,7 +111,7 @@ def test_a_map_gathers_only_the_source_layers_it_reads(tiny_pair):
     last = source.info.num_layers - 1
     assert mapper.config.read_layers == (last,)
     ids = torch.randint(12, 500, (1, 20), generator=torch.Generator().manual_seed(5))
-    from kvbridge.models import make_cache, positions_from_mask, prefill
+    from kvbridge.core.models import make_cache, positions_from_mask, prefill
 
     cache = prefill(source.model, ids, torch.ones_like(ids), logits="none")[0]
     positions = positions_from_mask(torch.ones_like(ids))
@@ -126,7 +126,7 @@ def test_a_map_gathers_only_the_source_layers_it_reads(tiny_pair):
 
 
 def test_statistics_go_where_they_are_told():
-    from kvbridge.stats import statistics_bytes, totals_device
+    from kvbridge.fit.stats import statistics_bytes, totals_device
 
     assert totals_device("auto", torch.device("cpu"), 8, 8) == torch.device("cpu")
     assert totals_device("device", torch.device("cpu"), 8, 8) == torch.device("cpu")

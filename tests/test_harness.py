@@ -7,7 +7,7 @@ import torch
 
 from kvbridge import Mapper, family
 from kvbridge.cli import main
-from kvbridge.transfer import Bridge
+from kvbridge.core.transfer import Bridge
 
 lm_eval = pytest.importorskip("lm_eval")
 TASKS = ["kvbridge_family_cloze", "kvbridge_family_recall"]
@@ -23,7 +23,7 @@ def offline(monkeypatch, tmp_path):
 def test_registry_returns_our_class():
     from lm_eval.api.registry import get_model
 
-    from kvbridge.lm_eval_model import KVBridgeLM
+    from kvbridge.measure.lm_eval_model import KVBridgeLM
 
     assert get_model("kvbridge") is KVBridgeLM
 
@@ -46,7 +46,7 @@ def fitted(pair, tmp_path_factory):
 
 
 def test_local_tasks_run_in_every_mode(pair, fitted):
-    from kvbridge.lm_eval_tasks import metric_rows, run_lm_eval
+    from kvbridge.measure.lm_eval_tasks import metric_rows, run_lm_eval
 
     source, target = pair
     bridge = Bridge(source, target, Mapper.from_pretrained(fitted))
@@ -60,7 +60,7 @@ def test_local_tasks_run_in_every_mode(pair, fitted):
 
 
 def test_offline_tasks_at_1024_tokens_run(pair, fitted):
-    from kvbridge.lm_eval_tasks import metric_rows, run_lm_eval
+    from kvbridge.measure.lm_eval_tasks import metric_rows, run_lm_eval
 
     source, target = pair
     bridge = Bridge(source, target, Mapper.from_pretrained(fitted))
@@ -70,7 +70,7 @@ def test_offline_tasks_at_1024_tokens_run(pair, fitted):
 
 
 def test_identity_map_gives_identical_lm_eval_results(pair):
-    from kvbridge.lm_eval_tasks import run_lm_eval
+    from kvbridge.measure.lm_eval_tasks import run_lm_eval
 
     _, target = pair
     bridge = Bridge(target, target, Mapper.identity(target.info))
@@ -91,7 +91,7 @@ def test_eval_command_writes_table_and_json(pair, fitted, tmp_path, capsys):
 
 
 def test_diagnose_writes_plots_and_identity_cosine_is_one(pair, tmp_path):
-    from kvbridge.diagnose import diagnose
+    from kvbridge.measure.diagnose import diagnose
 
     _, target = pair
     report = diagnose(Bridge(target, target, Mapper.identity(target.info)), family.heldout_texts(),
@@ -115,9 +115,9 @@ def test_diagnose_command(pair, fitted, tmp_path, capsys):
 
 def test_recomputed_attention_matches_the_models_own(tiny_pair):
     """The diagnostic's queries (RoPE, Ministral3 position scaling) reproduce the model's attention output."""
-    from kvbridge.diagnose import _attend
-    from kvbridge.models import attention_queries, cache_kv, load_model, positions_from_mask, prefill
-    from kvbridge.rope import rotary_factors
+    from kvbridge.core.models import attention_queries, cache_kv, load_model, positions_from_mask, prefill
+    from kvbridge.core.rope import rotary_factors
+    from kvbridge.measure.diagnose import _attend
 
     target = load_model(tiny_pair[1])
     model = target.model

@@ -11,12 +11,12 @@ import torch
 from conftest import TINY_FIT, mapped
 
 from kvbridge import Mapper
-from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
-from kvbridge.bench import map_flops
+from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from kvbridge.core.hashing import sha256_file
+from kvbridge.core.mapper import KINDS, MapperConfig, check_mapper
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.hashing import sha256_file
-from kvbridge.mapper import KINDS, MapperConfig, check_mapper
+from kvbridge.measure.bench import map_flops
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +116,10 @@ def test_head_block_options_are_checked(tiny_models):
 def test_plan_arithmetic_prices_head_blocks_at_the_real_geometry(tiny_models, blocked):
     """A head-blocked map costs 1/n of the full one at the Ministral-3 geometry too, and the frontier's real-geometry
     limit of a head-blocked point is the plan's for the same blocks (a head-matched one: one block per head there)."""
-    from kvbridge.bench import path_flops, prefill_flops
-    from kvbridge.bench_real import _published_infos, published_config
-    from kvbridge.frontier import real_flop_limit
-    from kvbridge.transfer import Bridge
+    from kvbridge.core.transfer import Bridge
+    from kvbridge.measure.bench import path_flops, prefill_flops
+    from kvbridge.measure.bench_real import _published_infos, published_config
+    from kvbridge.measure.frontier import real_flop_limit
 
     infos, configs = _published_infos()
     pair = infos["ministral3-3b-text"], infos["ministral3-8b-text"]

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from conftest import model_info
 
 from kvbridge import Mapper
-from kvbridge.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from kvbridge.core.hashing import sha256_file
+from kvbridge.core.mapper import Lever, MapperConfig
+from kvbridge.core.rope import RopeSpec
 from kvbridge.errors import ArtifactError
-from kvbridge.hashing import sha256_file
-from kvbridge.mapper import Lever, MapperConfig
-from kvbridge.rope import RopeSpec
 
 ROPE = RopeSpec("ministral3", "yarn", 4, {"rope_theta": 1e4})
 SOURCE = model_info("org/small", 2, 2, 4, rope=ROPE, max_positions=512)  # Fs = 8
@@ -118,10 +118,10 @@ def test_bad_levers_are_refused(bad):
 
 def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
     """Lags over both caches and a residual MLP fit, save, verify, reload and generate; the lever helps held-out R²."""
+    from kvbridge.core.models import load_model
+    from kvbridge.core.transfer import Bridge
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.models import load_model
-    from kvbridge.texts import read_texts
-    from kvbridge.transfer import Bridge
+    from kvbridge.fit.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
@@ -203,7 +203,7 @@ def test_a_mapper_that_reads_the_state_is_format_3_and_others_stay_format_2(tmp_
     assert loaded.config == m.config and loaded.config.reads_state
     mapper((Lever("key", 1, inputs=("key", "value")),)).save_pretrained(tmp_path / "v2")
     assert json.loads((tmp_path / "v2" / CONFIG_FILE).read_text())["format_version"] == 2
-    from kvbridge.schema import validate
+    from kvbridge.core.schema import validate
 
     data["format_version"] = 2  # a state lever in a version-2 file: an edit, refused by name
     with pytest.raises(ArtifactError, match=r"levers\[0\] reads the source's state"):
@@ -213,11 +213,11 @@ def test_a_mapper_that_reads_the_state_is_format_3_and_others_stay_format_2(tmp_
 def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
     """--lever-inputs kvs: fitted, saved, reloaded; chunked maps equal whole ones; every recompute criterion runs;
     the surprisal computed from the state equals the one from the model's own logits."""
+    from kvbridge.core.models import cache_kv, load_model, logits_from_hidden, prefill
+    from kvbridge.core.recompute import surprisal
+    from kvbridge.core.transfer import Bridge
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.models import cache_kv, load_model, logits_from_hidden, prefill
-    from kvbridge.recompute import surprisal
-    from kvbridge.texts import read_texts
-    from kvbridge.transfer import Bridge
+    from kvbridge.fit.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
@@ -244,8 +244,8 @@ def test_fit_with_the_state_lever_end_to_end(tiny_pair, tmp_path):
 
 def test_state_widths_must_agree_with_each_other_and_with_the_source():
     from kvbridge import family
+    from kvbridge.core.transfer import Bridge
     from kvbridge.errors import CompatibilityError, InputError
-    from kvbridge.transfer import Bridge
 
     other = Lever("value", 0, inputs=("key", "state"), state=6)
     with pytest.raises(ArtifactError, match=r"different widths \[5, 6\]"):
@@ -258,7 +258,7 @@ def test_state_widths_must_agree_with_each_other_and_with_the_source():
 
 
 def test_random_recompute_control_is_seeded_by_the_prompt():
-    from kvbridge.recompute import random_scores
+    from kvbridge.core.recompute import random_scores
 
     ids = torch.tensor([[5, 9, 13, 7, 21], [5, 9, 13, 7, 21], [6, 9, 13, 7, 21]])
     scores = random_scores(ids)

@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,22 +18,45 @@ def test_ruff_is_clean():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each kvbridge module's relative imports at any level (top or inside a function), as module names."""
+def _module_name(path: Path, package: Path) -> str:
+    return ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path, module: str):
+    """``(target, names)`` of each kvbridge import of one file at any level (top or inside a function): relative
+    imports resolved against ``module``, absolute ``from kvbridge... import`` and ``import kvbridge...`` as they are."""
     import ast
 
-    package = ROOT / "src" / "kvbridge"
-    graph = {}
-    for path in package.rglob("*.py"):
-        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
                 parts = module.split(".")
                 base = parts if path.name == "__init__.py" else parts[:-1]
                 base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
-                deps |= {f"{target}.{a.name}" for a in node.names} if node.module is None else {target}
+            else:
+                target = node.module or ""
+            if target == "kvbridge" or target.startswith("kvbridge."):
+                yield target, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "kvbridge" or a.name.startswith("kvbridge."):
+                    yield a.name, []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each kvbridge module's imports of kvbridge modules, relative or absolute, at any level (top or inside a
+    function), as module names (``from . import x`` of a submodule ``x``: that submodule)."""
+    package = ROOT / "src" / "kvbridge"
+    paths = {_module_name(path, package): path for path in package.rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        deps = set()
+        for target, names in _imports(path, module):
+            subs = {f"{target}.{n}" for n in names} & set(paths)
+            deps |= subs or {target}
+            if len(subs) < len(names):  # names that are attributes of ``target``, not submodules
+                deps.add(target)
         graph[module] = deps
     return graph
 
@@ -56,12 +80,73 @@ def test_no_import_cycle_in_the_package():
     assert not cycles, cycles
 
 
-# code that runs inside a vLLM engine, and what it must never reach: launchers, benchmarks, the command line
-ENGINE = {f"kvbridge.serving.{m}" for m in ("config", "connector", "producer", "store", "hot", "idle", "prewarm",
-                                             "middleware", "lmcache_store")}
-ABOVE_ENGINE = {f"kvbridge.serving.{m}" for m in ("server", "commands", "bench", "cascade", "quality", "load",
-                                                   "lmcache_probe")} | {"kvbridge.cli", "kvbridge.demo",
-                                                                        "kvbridge.frontier", "kvbridge.gap"}
+# The layers, bottom first: a module imports only from its own layer or the layers before it. errors and version
+# are leaves every layer may import; the family's loaders sit on the core (the measurements, the card and the
+# serving benchmarks load the embedded family), its trainers beside fit and measure (they use the evaluation).
+LAYERS = (
+    ("kvbridge.errors", "kvbridge.version", "kvbridge.core"),
+    ("kvbridge.family",),
+    ("kvbridge.fit", "kvbridge.measure", "kvbridge.release", "kvbridge.family.training", "kvbridge"),
+    ("kvbridge.serving", "kvbridge.serving.engine", "kvbridge.serving.store"),
+    ("kvbridge.serving.launch", "kvbridge.serving.bench"),
+    ("kvbridge.cli", "kvbridge.__main__"),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module``: that of the longest prefix in LAYERS (a package and everything in it; the top
+    package ``kvbridge``, its __init__ with the public names, holds only itself)."""
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or (prefix != "kvbridge" and module.startswith(prefix + "."))) and (
+                    best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def test_every_module_has_a_layer():
+    """A new module (or package) is placed in LAYERS before it is checked."""
+    unplaced = sorted(m for m in import_graph() if layer_of(m) is None)
+    assert not unplaced, unplaced
+
+
+def test_the_layers_hold():
+    """core ← family ← fit, measure, release (and the family's trainers) ← serving.engine, serving.store ←
+    serving.launch, serving.bench ← cli: no module imports (at any level, relative or absolute) a module of a layer
+    after its own, so the core never reaches a measurement and code inside a vLLM engine never reaches a launcher,
+    a benchmark or the command line."""
+    graph = import_graph()
+    wrong = sorted(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+                   for m, deps in graph.items() for d in deps if d in graph and layer_of(d) > layer_of(m))
+    assert not wrong, wrong
+
+
+def test_the_layers_see_absolute_imports(tmp_path, monkeypatch):
+    """The import graph reads absolute ``kvbridge.`` imports as well as relative ones (a layer broken by an absolute
+    import is not missed)."""
+    package = tmp_path / "src" / "kvbridge"
+    (package / "core").mkdir(parents=True)
+    (package / "cli").mkdir()
+    for name in ("__init__.py", "core/__init__.py", "cli/__init__.py", "cli/app.py"):
+        (package / name).write_text("")
+    (package / "core" / "mapper.py").write_text("def f():\n    from kvbridge.cli.app import main\n")
+    (package / "core" / "models.py").write_text("from ..cli import app\nimport kvbridge.cli\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph()
+    assert graph["kvbridge.core.mapper"] == {"kvbridge.cli.app"}
+    assert graph["kvbridge.core.models"] == {"kvbridge.cli.app", "kvbridge.cli"}
+    with pytest.raises(AssertionError, match="kvbridge.core.mapper .layer 0. imports kvbridge.cli.app"):
+        test_the_layers_hold()
+
+
+# code that runs inside a vLLM engine, and what it must never reach, even within the layers: launchers,
+# benchmarks, the command line, and the measurements that fit mappers (demo, frontier, gap)
+ENGINE = {f"kvbridge.serving.engine.{m}" for m in ("config", "connector", "producer", "middleware", "idle")} | {
+    f"kvbridge.serving.store.{m}" for m in ("folder", "hot", "prewarm", "lmcache_store")}
+ABOVE_ENGINE = {f"kvbridge.serving.bench.{m}" for m in ("ttft", "cascade", "quality", "load", "lmcache_probe")} | {
+    "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.cli.app", "kvbridge.cli.serving", "kvbridge.measure.demo",
+    "kvbridge.measure.frontier", "kvbridge.measure.gap"}
 
 
 def test_engine_code_never_reaches_the_launchers():
@@ -78,28 +163,24 @@ def test_engine_code_never_reaches_the_launchers():
         return seen
 
     assert ENGINE <= set(graph), ENGINE - set(graph)
+    assert ABOVE_ENGINE <= set(graph), ABOVE_ENGINE - set(graph)
     reached = {m: sorted(reachable(m) & ABOVE_ENGINE) for m in sorted(ENGINE)}
     assert not any(reached.values()), reached
 
 
 def test_every_relative_import_names_something_that_exists():
     """`from .module import name` anywhere in the package (function-level imports included, which only fail
-    when that function runs) names an attribute the module has: a function moved to another module breaks here,
-    not in a user's script."""
-    import ast
+    when that function runs; absolute `from kvbridge.module import name` too) names an attribute the module has: a
+    function moved to another module breaks here, not in a user's script."""
     import importlib
 
     package = ROOT / "src" / "kvbridge"
     missing = []
     for path in package.rglob("*.py"):
-        module = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.level and node.module:
-                parts = module.split(".")
-                base = parts if path.name == "__init__.py" else parts[:-1]
-                target = ".".join(base[: len(base) - (node.level - 1)] + [node.module])
-                imported = importlib.import_module(target)
-                missing += [f"{module}: {target}.{a.name}" for a in node.names
-                            if a.name != "*" and not hasattr(imported, a.name)
-                            and importlib.util.find_spec(f"{target}.{a.name}") is None]
+        module = _module_name(path, package)
+        for target, names in _imports(path, module):
+            imported = importlib.import_module(target)
+            missing += [f"{module}: {target}.{name}" for name in names
+                        if name != "*" and not hasattr(imported, name)
+                        and importlib.util.find_spec(f"{target}.{name}") is None]
     assert not missing, missing

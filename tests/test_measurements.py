@@ -9,11 +9,11 @@ import torch
 from conftest import build_tokenizer, ministral3_config, save_model
 
 from kvbridge import Mapper, family
+from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.models import load_model
+from kvbridge.core.transfer import Bridge
 from kvbridge.errors import InputError, NumericalError
-from kvbridge.evaluate import TaskResult, chose_truth, retention_table
-from kvbridge.mapper import MapperConfig
-from kvbridge.models import load_model
-from kvbridge.transfer import Bridge
+from kvbridge.measure.evaluate import TaskResult, chose_truth, retention_table
 
 # (task, native %, mapped %, floor %) of the published card, its mean 78.73 % raw / 73.07 % floor-normalized
 CARD = [("arc_challenge", 60.15, 57.34, 25), ("hellaswag", 76.86, 74.13, 25), ("winogrande", 71.43, 67.01, 50),
@@ -35,7 +35,7 @@ def test_family_mean_row_prints_the_cards_mean():
 
 def test_lm_eval_mean_counts_one_primary_metric_per_task():
     """ARC and HellaSwag report acc and acc_norm, GSM8K two filters: only the primary one enters the mean."""
-    from kvbridge.lm_eval_tasks import eval_table, metric_rows
+    from kvbridge.measure.lm_eval_tasks import eval_table, metric_rows
 
     results = {"native": {"results": {}, "n-shot": {}}, "mapped": {"results": {}}}
     for task, native, mapped, _ in CARD:
@@ -58,7 +58,7 @@ def test_lm_eval_mean_counts_one_primary_metric_per_task():
 
 
 def test_card_protocol_sets_shots_per_task():
-    from kvbridge.lm_eval_tasks import fewshot_plan
+    from kvbridge.measure.lm_eval_tasks import fewshot_plan
 
     plan = fewshot_plan(["arc_challenge", "mmlu", "gsm8k_cot", "kvbridge_family_cloze"], "card")
     assert plan == {"arc_challenge": 0, "mmlu": 5, "gsm8k_cot": 8, "kvbridge_family_cloze": None}
@@ -92,7 +92,7 @@ def test_rolling_loglikelihood_maps_its_context_and_counts_fallbacks(pair, monke
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from kvbridge.lm_eval_model import KVBridgeLM
+    from kvbridge.measure.lm_eval_model import KVBridgeLM
 
     source, target = pair
     zero = Bridge(source, target, _filled_mapper(source, target, 0.0))
@@ -115,7 +115,7 @@ def test_rolling_loglikelihood_maps_its_context_and_counts_fallbacks(pair, monke
 
 def test_rolling_windows_score_every_token_once_after_the_text_before_it(pair):
     pytest.importorskip("lm_eval")
-    from kvbridge.lm_eval_model import KVBridgeLM
+    from kvbridge.measure.lm_eval_model import KVBridgeLM
 
     source, target = pair
     lm = KVBridgeLM.from_bridge(Bridge(source, target, _filled_mapper(source, target, 0.0)), rolling_chunk=100)
@@ -144,7 +144,7 @@ def test_nan_mapper_is_refused_not_scored(pair):
 
 def test_generation_kwargs_are_honoured_or_refused(pair):
     pytest.importorskip("lm_eval")
-    from kvbridge.lm_eval_model import KVBridgeLM
+    from kvbridge.measure.lm_eval_model import KVBridgeLM
 
     source, target = pair
     lm = KVBridgeLM.from_bridge(Bridge(source, target, _filled_mapper(source, target, 0.0)))
@@ -226,7 +226,7 @@ def test_rope_only_pair_maps_exactly_through_left_padded_batches(rope_only_pair,
 
 def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.texts import read_texts
+    from kvbridge.fit.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     config = FitConfig(num_texts=8, seq_len=48, heldout_texts=0, tune_steps=20)
@@ -241,7 +241,7 @@ def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
 
 
 def test_heldout_r2_reads_whole_documents_of_its_own(tiny_pair):
-    from kvbridge.texts import read_texts, split_heldout_documents
+    from kvbridge.fit.texts import read_texts, split_heldout_documents
 
     tokenizer = load_model(tiny_pair[1]).tokenizer
     texts = read_texts(tiny_pair[2])
@@ -255,8 +255,8 @@ def test_heldout_r2_reads_whole_documents_of_its_own(tiny_pair):
 
 def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
     from kvbridge.cli import main
-    from kvbridge.hashing import sha256_texts
-    from kvbridge.texts import read_texts
+    from kvbridge.core.hashing import sha256_texts
+    from kvbridge.fit.texts import read_texts
 
     source, target, texts = tiny_pair
     out = tmp_path / "m"
@@ -268,7 +268,7 @@ def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
 
 
 def test_fallback_counts_are_per_task_and_groups_sum_their_subtasks():
-    from kvbridge.lm_eval_tasks import _task_count
+    from kvbridge.measure.lm_eval_tasks import _task_count
 
     counts = {"kvbridge_family_cloze": 3, "kvbridge_family_cloze_1024": 5, "mmlu_anatomy": 2, "mmlu_virology": 4}
     assert _task_count(counts, "kvbridge_family_cloze") == 3

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from kvbridge.core.models import load_model, tokenizer_fingerprint
 from kvbridge.errors import ModelLoadError
-from kvbridge.models import load_model, tokenizer_fingerprint
 
 
 def test_text_only_loading_of_a_multimodal_ministral3(tiny_vlm):

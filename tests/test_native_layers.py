@@ -9,12 +9,12 @@ import torch
 from conftest import TINY_FIT
 
 from kvbridge import Mapper
-from kvbridge.bench import cache_prefill_flops, path_flops, source_flops
+from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.models import cache_kv, prefill
+from kvbridge.core.transfer import Bridge
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.mapper import MapperConfig
-from kvbridge.models import cache_kv, prefill
-from kvbridge.transfer import Bridge
+from kvbridge.measure.bench import cache_prefill_flops, path_flops, source_flops
 
 
 @pytest.fixture(scope="module")

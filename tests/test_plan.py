@@ -7,10 +7,10 @@ import torch
 from conftest import build_tokenizer, corpus_texts, ministral3_config, save_model
 
 from kvbridge.cli import main
+from kvbridge.core.models import load_model
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.models import load_model
-from kvbridge.plan import measured_peak, model_shape, plan, read_config
+from kvbridge.measure.plan import measured_peak, model_shape, plan, read_config
 
 PLAIN = dict(lags=(0,), lever_inputs="same", mlp_hidden=0)
 
@@ -41,16 +41,16 @@ def test_fit_peak_within_15_percent_of_the_plan(wide_pair, texts, levers):
 
 
 # The card's fit (500 × 1,024 tokens, stride 4, every source layer) measured on an NVIDIA H200 (bfloat16, random
-# weights; `python -m kvbridge.bench_real --fit`, CUDA allocator peak beyond the models): statistics in host memory
-# (before they could live on the GPU) and on the GPU (the suite, docs/results/gpu/suite-run1.json)
+# weights; `python -m kvbridge.measure.bench_real --fit`, CUDA allocator peak beyond the models): statistics in host
+# memory (before they could live on the GPU) and on the GPU (the suite, docs/results/gpu/suite-run1.json)
 MEASURED_PUBLISHED_FIT_GIB = {"host": 11.17, "device": 35.345}
 
 
 @pytest.mark.parametrize("totals", ["host", "device"])
 def test_the_plan_predicts_the_published_fit_measured_on_a_gpu(totals):
     """The plan of the card's fit, statistics on either side, within 15 % of the peak an H200 measured."""
-    from kvbridge.bench_real import published_fit
-    from kvbridge.plan import Phase, device_peak
+    from kvbridge.measure.bench_real import published_fit
+    from kvbridge.measure.plan import Phase, device_peak
 
     planned = plan(model_shape(read_config("ministral3-3b-text")), model_shape(read_config("ministral3-8b-text")),
                    published_fit(500, 1024, 4), "cuda", "bfloat16", totals=totals)
@@ -76,7 +76,7 @@ def test_published_geometry_fits_in_12_gib_beyond_the_models(tmp_path, capsys):
     assert on_gpu["fit_totals"] == "device" and on_gpu["fit_peak_bytes_totals_on_host"] == plain["fit_peak_bytes"]
     assert on_gpu["fit_peak_bytes"] - plain["fit_peak_bytes"] >= 24 * 2**30
     capsys.readouterr()
-    from kvbridge.bench_real import _published_infos, published_config
+    from kvbridge.measure.bench_real import _published_infos, published_config
 
     infos, _ = _published_infos()
     pair = infos["ministral3-3b-text"], infos["ministral3-8b-text"]

@@ -11,8 +11,8 @@ import time
 import pytest
 from test_store import BT, ME, fill
 
-from kvbridge.serving.prewarm import Prewarmer
-from kvbridge.serving.store import PREWARM_FILE, KVStore, chain, chain_seed
+from kvbridge.serving.store.folder import PREWARM_FILE, KVStore, chain, chain_seed
+from kvbridge.serving.store.prewarm import Prewarmer
 
 
 def tail_of(store: KVStore, ids: list[int], salt=None):
@@ -171,7 +171,7 @@ def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
 
     if vllm_ready() and not os.environ.get("CI"):
         pytest.skip(vllm_ready())  # CI installs vLLM: there a missing one fails
-    from kvbridge.serving.producer import KVBridgeSourceConnector
+    from kvbridge.serving.engine.producer import KVBridgeSourceConnector
 
     def asks(params, default: bool) -> bool:
         connector = SimpleNamespace(config=SimpleNamespace(prewarm=default))

@@ -7,11 +7,11 @@ import torch
 
 from kvbridge import Mapper, family
 from kvbridge.cli import main
-from kvbridge.diagnose import OracleBridge
+from kvbridge.core.transfer import Bridge
 from kvbridge.errors import UnsupportedModelError
-from kvbridge.evaluate import family_tasks, mean_retention
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.transfer import Bridge
+from kvbridge.measure.diagnose import OracleBridge
+from kvbridge.measure.evaluate import family_tasks, mean_retention
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_diagnose_oracle_writes_rows_and_plot(bridge, tmp_path, capsys):
 
 
 def test_a_windowed_forward_sees_the_window_only(pair):
-    from kvbridge.diagnose import windowed_kv
-    from kvbridge.models import cache_kv, prefill
+    from kvbridge.core.models import cache_kv, prefill
+    from kvbridge.measure.diagnose import windowed_kv
 
     target = pair[1].model
     ids = torch.randint(10, 4000, (2, 96), generator=torch.Generator().manual_seed(0))
@@ -88,7 +88,7 @@ def test_diagnose_refuses_a_window_without_the_oracle(tmp_path, capsys):
 
 
 def _zero_mapper(bridge):
-    from kvbridge.mapper import Mapper as M
+    from kvbridge.core.mapper import Mapper as M
 
     return M(bridge.mapper.config, {n: torch.zeros_like(t) for n, t in bridge.mapper.weights.items()})
 
@@ -97,7 +97,7 @@ def _zero_mapper(bridge):
                                      ["import os\n\ndef main():\n    print(os.getcwd())\n", "x = 1\ny ="]])
 def test_recomputing_every_token_gives_the_native_cache(bridge, prompts):
     """Even from an all-zero mapper, a recompute of all prefix tokens is exactly the target's own prefill."""
-    from kvbridge.models import cache_kv, prefill
+    from kvbridge.core.models import cache_kv, prefill
 
     zero = Bridge(bridge.source, bridge.target, _zero_mapper(bridge), recompute=1.0)
     ids, mask = zero.encode(prompts)
@@ -137,7 +137,7 @@ def test_recompute_rides_along_with_the_next_forward_exactly(bridge, window):
     """first_token_logits, score and generate carry the recompute in the continuing model's first pass: the same
     logits, cache, scores and tokens as recomputing first and reading after — batched with mixed lengths, three
     held-back tokens, right-padded continuations, and a sliding-window target."""
-    from kvbridge.models import cache_kv
+    from kvbridge.core.models import cache_kv
 
     config = bridge.target.model.get_decoder().config
     saved = config.sliding_window
@@ -169,8 +169,8 @@ def test_recompute_rides_along_with_the_next_forward_exactly(bridge, window):
 
 
 def test_a_failed_carrying_pass_leaves_a_cache_that_refuses_reads(bridge):
-    from kvbridge.models import positions_from_mask, with_cache
-    from kvbridge.recompute import reading
+    from kvbridge.core.models import positions_from_mask, with_cache
+    from kvbridge.core.recompute import reading
 
     b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.3)
     ids, mask = b.encode(["x = 1\ny = 2\nz ="])
@@ -192,7 +192,7 @@ def test_a_failed_carrying_pass_leaves_a_cache_that_refuses_reads(bridge):
 
 
 def test_a_cache_that_owes_a_recompute_refuses_a_plain_read(bridge):
-    from kvbridge.models import positions_from_mask, with_cache
+    from kvbridge.core.models import positions_from_mask, with_cache
 
     b = Bridge(bridge.source, bridge.target, bridge.mapper, recompute=0.3)
     ids, mask = b.encode(["x = 1\ny = 2\nz ="])
@@ -216,7 +216,7 @@ def test_the_fused_pass_runs_the_last_layer_for_the_new_tokens_only(bridge):
 
 
 def test_recompute_picks_the_sources_most_surprising_tokens():
-    from kvbridge.recompute import choose_columns
+    from kvbridge.core.recompute import choose_columns
 
     scores = torch.tensor([[0.0, 0.0, 5.0, 1.0, 9.0, 2.0], [0.0, 3.0, 1.0, 8.0, 2.0, 7.0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -229,7 +229,7 @@ def test_recompute_picks_the_sources_most_surprising_tokens():
 
 
 def test_the_window_ranks_unpredictable_spans_whole_and_ignores_pads():
-    from kvbridge.recompute import choose_columns, window_mean
+    from kvbridge.core.recompute import choose_columns, window_mean
 
     # one surprising token (column 3) in ordinary text, and a run of fairly surprising ones (columns 7-9)
     scores = torch.tensor([[0.0, 2.0, 1.0, 9.0, 1.0, 1.0, 1.0, 6.0, 6.0, 6.0, 1.0, 1.0]])
@@ -266,15 +266,16 @@ def test_the_recompute_window_is_a_runtime_option_older_artifacts_lack(pair, tmp
     assert config["runtime"]["recompute_window"] == 5
     plain = mapper.config.runtime.override(recompute_window=1).to_dict()
     assert "recompute_window" not in plain  # window 1 writes what releases before the window wrote
-    from kvbridge.mapper import RuntimeOptions
+    from kvbridge.core.mapper import RuntimeOptions
 
     assert RuntimeOptions.from_dict(plain).recompute_window == 1  # an artifact without the field: as before
 
 
 def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
-    import kvbridge.frontier
+    import kvbridge.measure.frontier
 
-    monkeypatch.setattr(kvbridge.frontier, "MIN_SPEEDUP", float("-inf"))  # some point is recommended at any speed
+    # some point is recommended at any speed
+    monkeypatch.setattr(kvbridge.measure.frontier, "MIN_SPEEDUP", float("-inf"))
     assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--items", "9", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "frontier.json").read_text())
     assert report["fit"]["seed"] == 3  # every fit of the grid used it
@@ -325,8 +326,8 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
 
 
 def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_interval():
-    from kvbridge.evaluate import TaskResult
-    from kvbridge.frontier import recommend
+    from kvbridge.measure.evaluate import TaskResult
+    from kvbridge.measure.frontier import recommend
 
     def point(name, speedup, noise, validation):
         return {"name": name, "ttft_speedup": speedup, "speedup_noise": noise, "validation_retention": validation}
@@ -351,7 +352,7 @@ def test_frontier_rule_clears_the_bar_by_its_noise_and_ties_inside_the_paired_in
 
 
 def test_paired_bootstrap_draws_a_document_at_every_length_at_once():
-    from kvbridge.evaluate import TaskResult, paired_replicates
+    from kvbridge.measure.evaluate import TaskResult, paired_replicates
 
     def run(values, keys):
         return [TaskResult("t", "acc", 1.0, sum(values) / len(values), 0.0, 0.0, len(values),
@@ -367,7 +368,7 @@ def test_paired_bootstrap_draws_a_document_at_every_length_at_once():
 
 def test_packed_rows_at_a_length_longer_than_the_documents(pair):
     from kvbridge.errors import InputError
-    from kvbridge.evaluate import document_rows
+    from kvbridge.measure.evaluate import document_rows
 
     tok = pair[1].tokenizer
     texts = ["def f(x):\n    return x\n" * 3, "import os\n" * 5, "class A:\n    pass\n" * 12]
@@ -385,7 +386,7 @@ def test_packed_rows_at_a_length_longer_than_the_documents(pair):
 
 
 def test_bigram_surprisal_ranks_unseen_pairs_high():
-    from kvbridge.recompute import bigram_surprisal, bigram_tables
+    from kvbridge.core.recompute import bigram_surprisal, bigram_tables
 
     tables = bigram_tables(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 4]]), vocab=6)
     assert tables["recompute.bigram.keys"].dtype == torch.int64
@@ -394,7 +395,7 @@ def test_bigram_surprisal_ranks_unseen_pairs_high():
 
 
 def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path, monkeypatch):
-    import kvbridge.models as models
+    import kvbridge.core.models as models
 
     source, target = pair
     mapper = fit_mapper(source, target, family.calibration_texts(),
@@ -407,7 +408,7 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
     assert keys.dtype == torch.int64 and torch.equal(keys, mapper.weights["recompute.bigram.keys"])
     bridge = Bridge(source, target, Mapper.from_pretrained(str(tmp_path / "m")))
     assert bridge.recompute == 0.1 and bridge.recompute_by != "surprisal"
-    import kvbridge.transfer as transfer
+    import kvbridge.core.transfer as transfer
 
     seen = []
     original = models.prefill  # what selective_recompute and Bridge.source_prefill call
@@ -421,8 +422,8 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
 def test_fit_defaults_are_the_frontiers_recommended_point():
     from dataclasses import replace
 
-    from kvbridge.demo import FULL as DEMO
-    from kvbridge.frontier import FAMILY, FULL, RECOMMENDED
+    from kvbridge.measure.demo import FULL as DEMO
+    from kvbridge.measure.frontier import FAMILY, FULL, RECOMMENDED
 
     point = next(p for p in FULL.points if p.name == RECOMMENDED)
     # the frontier fits on fewer windows: 64 of the calibration documents are its validation set
@@ -436,7 +437,7 @@ def test_every_grid_point_is_a_valid_fit_and_a_plain_point_reads_every_source_la
     silently change what a grid's plain map is."""
     from dataclasses import replace
 
-    from kvbridge.frontier import GRIDS
+    from kvbridge.measure.frontier import GRIDS
 
     for name, grid in GRIDS.items():
         assert grid.fit.top_k is None and not grid.fit.has_levers and grid.fit.recompute == 0, name
@@ -453,7 +454,7 @@ def test_every_grid_point_is_a_valid_fit_and_a_plain_point_reads_every_source_la
 def test_a_cell_counts_only_where_native_beats_the_floor_beyond_noise_and_is_held_to_0_100():
     from dataclasses import replace
 
-    from kvbridge.evaluate import TaskResult, capped_mean_retention, has_benefit, mean_retention
+    from kvbridge.measure.evaluate import TaskResult, capped_mean_retention, has_benefit, mean_retention
 
     def cell(native, mapped, floor):
         n = len(native)
@@ -472,7 +473,7 @@ def test_a_cell_counts_only_where_native_beats_the_floor_beyond_noise_and_is_hel
 def test_a_replicate_where_native_drops_to_its_floor_keeps_nothing_and_benefit_resamples_documents():
     from dataclasses import replace
 
-    from kvbridge.evaluate import TaskResult, capped_mean_retention, has_benefit, mean_retention
+    from kvbridge.measure.evaluate import TaskResult, capped_mean_retention, has_benefit, mean_retention
 
     # counted on the whole sample, but this resample's native equals its floor minus a bit: 0, not (−)/(−) > 0
     drawn = TaskResult("recall", "acc", 0.30, 0.10, 0.0, 0.35, 4, benefit=True)

@@ -1,4 +1,4 @@
-"""Reduced-rank maps (kvbridge.rank): the factorization, the held-out curve, the FLOP budget, the format."""
+"""Reduced-rank maps (kvbridge.fit.rank): the factorization, the held-out curve, the FLOP budget, the format."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from conftest import TINY_FIT, mapped
 
 from kvbridge import Mapper
-from kvbridge.bench import map_flops
+from kvbridge.core.mapper import KINDS, layer_features
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
-from kvbridge.mapper import KINDS, layer_features
+from kvbridge.measure.bench import map_flops
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def full(tiny_models):
 
 def test_a_factored_map_at_full_rank_is_the_full_map(tiny_models, full):
     """D U = W V Vᵀ = W when V is the whole eigenbasis, and the projected bias is the bias."""
-    from kvbridge import rank as reduced
+    from kvbridge.fit import rank as reduced
 
     source, target, texts = tiny_models
     pairs = reduced.factorable(full.config.levers, full.config.target.num_layers)
@@ -76,7 +76,7 @@ def test_a_fixed_rank_round_trips_and_older_formats_refuse_it(tiny_models, tmp_p
         assert torch.equal(a, b)
     half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and layer_features(mapped(half, tiny_models[0], ids)[0]).dtype == torch.bfloat16
-    from kvbridge.mapper import MapperConfig
+    from kvbridge.core.mapper import MapperConfig
 
     old = dict(data, format_version=3)
     with pytest.raises(ArtifactError, match="version 4"):

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from test_artifact import random_mapper
 
 from kvbridge import Mapper
-from kvbridge.artifact import (
+from kvbridge.cli import main
+from kvbridge.core.artifact import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -25,11 +26,10 @@ from kvbridge.artifact import (
     recover_interrupted_save,
     verify_artifact,
 )
-from kvbridge.cli import main
+from kvbridge.core.hashing import sha256_file
+from kvbridge.core.mapper import check_mapper
 from kvbridge.errors import ArtifactError, CompatibilityError, InputError, KVBridgeError
-from kvbridge.hashing import sha256_file
-from kvbridge.mapper import check_mapper
-from kvbridge.texts import read_texts
+from kvbridge.fit.texts import read_texts
 
 
 def _reseal(folder):
@@ -243,8 +243,8 @@ def test_loading_reads_no_tensor_before_the_header_matches(tmp_path, monkeypatch
 
 
 def test_identical_fits_have_identical_checksums(tiny_pair, tmp_path):
+    from kvbridge.core.models import load_model
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.models import load_model
 
     source_dir, target_dir, texts = tiny_pair
     source, target = load_model(source_dir), load_model(target_dir)
@@ -258,8 +258,8 @@ def test_identical_fits_have_identical_checksums(tiny_pair, tmp_path):
 def test_other_weights_in_the_same_folder_layout_are_refused(tiny_pair, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvbridge.models import load_model
-    from kvbridge.transfer import Bridge
+    from kvbridge.core.models import load_model
+    from kvbridge.core.transfer import Bridge
 
     _, target_dir, _ = tiny_pair
     model = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -282,7 +282,7 @@ def test_other_weights_in_the_same_folder_layout_are_refused(tiny_pair, tmp_path
 _KILL = r"""
 import os, shutil, sys
 sys.path.insert(0, sys.argv[3])
-from kvbridge import artifact
+from kvbridge.core import artifact
 from test_artifact import random_mapper
 point, dest = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os._exit(9)
@@ -372,7 +372,7 @@ def test_leftovers_match_exactly_their_folder(tmp_path):
 
 
 def test_rename_exchange_swaps_two_folders(tmp_path):
-    from kvbridge.artifact import _rename_exchange
+    from kvbridge.core.artifact import _rename_exchange
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -539,8 +539,8 @@ def test_fit_settings_of_the_wrong_type_name_the_setting(settings):
 
 
 def test_fit_mapper_refuses_what_is_not_a_model_a_config_or_texts(tiny_pair):
+    from kvbridge.core.models import load_model
     from kvbridge.fit import FitConfig, fit_mapper
-    from kvbridge.models import load_model
 
     source_dir, target_dir, _ = tiny_pair
     source, target = load_model(source_dir), load_model(target_dir)
@@ -551,7 +551,7 @@ def test_fit_mapper_refuses_what_is_not_a_model_a_config_or_texts(tiny_pair):
 
 
 def test_bad_python_inputs_raise_kvbridge_errors(fitted):
-    from kvbridge.transfer import Bridge
+    from kvbridge.core.transfer import Bridge
 
     source, target, _, mapper = fitted
     bridge = Bridge.from_pretrained(source, target, str(mapper))

@@ -13,8 +13,8 @@ from conftest import FAST_FIT
 from test_reliability import _edit, _reseal, _set
 
 from kvbridge import Mapper
-from kvbridge.artifact import CONFIG_FILE
 from kvbridge.cli import main
+from kvbridge.core.artifact import CONFIG_FILE
 from kvbridge.errors import ArtifactError, InputError
 
 
@@ -67,8 +67,8 @@ def test_plan_bounds_every_size_before_any_work(tiny_pair, tmp_path, capsys, edi
 
 def test_a_huge_recompute_window_is_refused_or_harmless(artifact, fast_mapper, tiny_pair):
     from kvbridge import Bridge
-    from kvbridge.models import load_model
-    from kvbridge.recompute import window_mean
+    from kvbridge.core.models import load_model
+    from kvbridge.core.recompute import window_mean
 
     scores, valid = torch.rand(2, 7), torch.ones(2, 7, dtype=torch.bool)
     assert torch.allclose(window_mean(scores, valid, 2**40 + 1), window_mean(scores, valid, 13))  # whole row
@@ -121,7 +121,7 @@ def test_generation_and_scoring_refuse_what_they_would_misread(fast_mapper, tiny
 
 
 def test_lm_eval_refuses_unknown_model_args_and_tasks(fast_mapper, tiny_pair, capsys):
-    from kvbridge.lm_eval_model import KVBridgeLM
+    from kvbridge.measure.lm_eval_model import KVBridgeLM
 
     source, target, _ = tiny_pair
     with pytest.raises(InputError, match="unknown model_args frob"):
@@ -162,7 +162,7 @@ def test_no_traceback_for_a_plot_name_a_dtype_name_or_a_full_disk(artifact, fast
                                                                    monkeypatch, tmp_path):
     from safetensors import SafetensorError
 
-    import kvbridge.artifact as artifact_module
+    import kvbridge.core.artifact as artifact_module
 
     source, target, _ = tiny_pair
     assert main(["bench", "--source", source, "--target", target, "--mapper", str(fast_mapper), "--contexts", "16",

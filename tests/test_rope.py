@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from kvbridge.core.models import cache_kv, positions_from_mask, prefill
+from kvbridge.core.rope import apply_rope, remove_rope, rope_factors, rope_spec, rotary_factors, rotation, unrotation
 from kvbridge.errors import UnsupportedModelError
-from kvbridge.models import cache_kv, positions_from_mask, prefill
-from kvbridge.rope import apply_rope, remove_rope, rope_factors, rope_spec, rotary_factors, rotation, unrotation
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -137,7 +137,7 @@ def test_unsupported_layouts_are_refused():
 def test_cache_only_prefill_equals_the_full_forward(arch):
     """``prefill(logits="none")`` stops after the last layer stores its K/V: the cache is the full forward's, bit
     for bit (padded rows too, and continuing a cache), the model is left as it was, and the stop really happens."""
-    from kvbridge.models import cache_of
+    from kvbridge.core.models import cache_of
 
     model = tiny_model(arch, ROPES["yarn"])
     ids = torch.randint(4, 64, (2, SEQ))

@@ -11,7 +11,7 @@ import pytest
 
 from kvbridge import family
 from kvbridge.errors import InputError
-from kvbridge.serving.config import (
+from kvbridge.serving.engine.config import (
     NAMESPACE_PREFIX,
     ServeConfig,
     engine_kwargs,
@@ -21,7 +21,7 @@ from kvbridge.serving.config import (
     request_mode,
     salted,
 )
-from kvbridge.serving.middleware import rewrite
+from kvbridge.serving.engine.middleware import rewrite
 
 
 def config(**kw) -> ServeConfig:
@@ -96,7 +96,7 @@ def test_the_llama4_query_scaling_reaches_vllm(tmp_path):
 
 def test_vllm_arguments_and_the_pair_check(tmp_path):
     from kvbridge.errors import CompatibilityError
-    from kvbridge.serving.server import preflight, vllm_argv
+    from kvbridge.serving.launch import preflight, vllm_argv
 
     argv = vllm_argv(config(), "fam", "127.0.0.1", 8123, ["--max-num-seqs", "4"])
     assert argv[:2] == ["serve", family.target_path()] and argv[-2:] == ["--max-num-seqs", "4"]
@@ -135,7 +135,7 @@ def test_serve_refuses_bad_pairs_in_one_line(capsys, tmp_path):
 
 
 def test_break_even_reads_a_bench_file(tmp_path):
-    from kvbridge.serving.server import break_even
+    from kvbridge.serving.launch import break_even
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"rows": [{"context_tokens": 64, "ttft_speedup": 0.7},
@@ -159,7 +159,7 @@ def test_break_even_reads_a_bench_file(tmp_path):
 
 def test_flags_are_read_in_both_forms_and_a_missing_value_is_one_line(capsys):
     from kvbridge.cli import main
-    from kvbridge.serving.server import flag_value, given_flags, vllm_argv
+    from kvbridge.serving.launch import flag_value, given_flags, vllm_argv
 
     argv = ["--served-model-name=foo", "--target", "T", "--port", "1"]
     assert flag_value(argv, "--served-model-name") == "foo" and flag_value(argv, "--target") == "T"
@@ -175,7 +175,7 @@ def test_flags_are_read_in_both_forms_and_a_missing_value_is_one_line(capsys):
 def test_the_middleware_needs_its_settings_and_survives_any_body(monkeypatch):
     import asyncio
 
-    from kvbridge.serving.middleware import ENV, KVBridgeMiddleware
+    from kvbridge.serving.engine.middleware import ENV, KVBridgeMiddleware
 
     monkeypatch.delenv(ENV, raising=False)
     with pytest.raises(RuntimeError, match="kvbridge serve"):
@@ -215,7 +215,7 @@ def test_the_middleware_needs_its_settings_and_survives_any_body(monkeypatch):
     ({"kv_transfer_params": {"kvbridge_native_rest": True}}, "kvbridge_native_rest"),
 ])
 def test_what_no_route_may_pass_to_the_engine(body, match):
-    from kvbridge.serving.middleware import check_body
+    from kvbridge.serving.engine.middleware import check_body
 
     with pytest.raises(InputError, match=match):
         check_body(body)
@@ -224,16 +224,16 @@ def test_what_no_route_may_pass_to_the_engine(body, match):
 
 
 def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_vlm):
-    from kvbridge.serving.config import StoreConfig, client_salt, request_use_store
-    from kvbridge.serving.server import source_argv
-    from kvbridge.serving.store import KVStore
+    from kvbridge.serving.engine.config import StoreConfig, client_salt, request_use_store
+    from kvbridge.serving.launch import source_argv
+    from kvbridge.serving.store.folder import KVStore
 
     assert request_use_store(None) and request_use_store({"kvbridge_store": False}) is False
     assert request_use_store({"kvbridge_store": "source"}) == "source"
     assert request_use_store({"kvbridge_store": "folder"}) == "folder"
     with pytest.raises(InputError, match="kvbridge_store"):
         request_use_store({"kvbridge_store": "no"})
-    from kvbridge.serving.config import request_native_rest
+    from kvbridge.serving.engine.config import request_native_rest
 
     assert request_native_rest(None) is None and request_native_rest({"kvbridge_native_rest": 0}) == 0
     assert config().native_rest > 0  # a new turn after a stored history is the target's by default
@@ -332,9 +332,9 @@ def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     from kvbridge import family
+    from kvbridge.cli.serving import _serve_source_parser, _store_config, pair_argv
     from kvbridge.errors import CompatibilityError, KVBridgeError
-    from kvbridge.serving.commands import _serve_source_parser, _store_config, pair_argv
-    from kvbridge.serving.config import StoreConfig
+    from kvbridge.serving.engine.config import StoreConfig
 
     with pytest.raises(InputError, match="both"):
         StoreConfig(store=str(tmp_path), mapper=family.mapper_path())
@@ -361,7 +361,7 @@ def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
 
 
 def argparse_cascade(argv):
-    from kvbridge.serving.commands import _cascade_parser
+    from kvbridge.cli.serving import _cascade_parser
 
     args, rest = _cascade_parser().parse_known_args(argv)
     args.vllm_args = rest
@@ -372,7 +372,7 @@ def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):
     import json
 
     from kvbridge.errors import UnsupportedModelError
-    from kvbridge.serving.config import check_map_ahead
+    from kvbridge.serving.engine.config import check_map_ahead
 
     folder = tmp_path / "mapper"
     shutil.copytree(family.mapper_path(), folder)
@@ -387,7 +387,7 @@ def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):
 def test_escalation_conversations_have_the_asked_lengths():
     from transformers import AutoTokenizer
 
-    from kvbridge.serving.cascade import conversation_texts
+    from kvbridge.serving.bench.cascade import conversation_texts
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     for question in (24, 200):
@@ -400,7 +400,7 @@ def test_escalation_conversations_have_the_asked_lengths():
 
 def test_parallel_engines_the_connectors_cannot_serve_are_refused_before_they_start(capsys, tmp_path, monkeypatch):
     from kvbridge.cli import main
-    from kvbridge.serving.server import cpu_defaults, parallel_sizes
+    from kvbridge.serving.launch import cpu_defaults, parallel_sizes
 
     assert parallel_sizes(["--tensor-parallel-size", "2"]) == (2, 1)
     assert parallel_sizes(["-tp", "4", "--pipeline-parallel-size=2"]) == (4, 2)
@@ -435,7 +435,7 @@ def test_a_server_gone_mid_benchmark_is_one_error_not_a_traceback():
     import socket
 
     from kvbridge.errors import KVBridgeError
-    from kvbridge.serving.bench import metric
+    from kvbridge.serving.bench.ttft import metric
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ LENGTHS = (64, 130, 256, 300, 700, 1024, 1312, 2000)
 def engine(family_fast_mapper):
     """(llm, config, bridge): the family's target in vLLM with the fault-injecting kvbridge connector, and the Bridge
     it must agree with."""
-    from kvbridge.serving.server import cpu_defaults
+    from kvbridge.serving.launch import cpu_defaults
 
     cpu_defaults()
     here = str(Path(__file__).parent)
@@ -191,9 +191,9 @@ def test_scores_through_the_engine_equal_bridge_and_skipped_loads_are_not_called
     from vllm import SamplingParams
 
     from kvbridge import family
-    from kvbridge.evaluate import family_tasks
+    from kvbridge.measure.evaluate import family_tasks
     from kvbridge.serving import mapped_request
-    from kvbridge.serving.quality import EngineScorer
+    from kvbridge.serving.bench.quality import EngineScorer
 
     llm, config, bridge = engine
     texts = family.heldout_texts()
@@ -220,10 +220,10 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
     """The connector's target: config and RoPE without recompute (the engine holds the weights; the mapped prefix
     above equals Bridge's with it), a transformers copy of the weights when chosen tokens are recomputed."""
     from kvbridge import family
-    from kvbridge.mapper import read_config
-    from kvbridge.models import RopeOnly
+    from kvbridge.core.mapper import read_config
+    from kvbridge.core.models import RopeOnly
     from kvbridge.serving import ServeConfig
-    from kvbridge.serving.connector import target_copy
+    from kvbridge.serving.engine.connector import target_copy
 
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path())
     runtime = read_config(family_fast_mapper).runtime
@@ -239,7 +239,7 @@ def test_a_mapped_score_never_reads_a_block_computed_for_another_request(engine,
     """serve-eval's scorer salts each request apart: the same context scored twice (two continuations, two calls)
     maps its whole prefix every time and scores as Bridge; with one shared salt the second call would read the
     blocks the target computed for the first, and the scorer refuses that."""
-    from kvbridge.serving.quality import EngineScorer
+    from kvbridge.serving.bench.quality import EngineScorer
 
     llm, config, bridge = engine
     ids = prompts(bridge, (420,), offset=90)[0]

@@ -1,4 +1,4 @@
-"""Background work beside an engine (kvbridge.serving.idle): waiting for a quiet spell, one OpenMP thread."""
+"""Background work beside an engine (kvbridge.serving.engine.idle): waiting for a quiet spell, one OpenMP thread."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
 
     import torch
 
-    from kvbridge.serving import idle
+    from kvbridge.serving.engine import idle
 
     clock = idle.StepClock()
     calm = lambda: False  # noqa: E731  (no backlog)

@@ -37,8 +37,8 @@ if _lmcache_missing() and not os.environ.get("CI"):
 
 # -- without an engine ----------------------------------------------------------------------------
 def test_urls_layouts_and_settings_are_checked():
-    from kvbridge.serving.config import ServeConfig
-    from kvbridge.serving.lmcache_store import check_layout, normal_url, page_layout, source_transfer_config
+    from kvbridge.serving.engine.config import ServeConfig
+    from kvbridge.serving.store.lmcache_store import check_layout, normal_url, page_layout, source_transfer_config
 
     assert normal_url("127.0.0.1:5555") == normal_url("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
     for bad in ("", "tcp://host", "http://h:1", "h:99999", "h:port", None):
@@ -67,7 +67,7 @@ def test_cpu_pages_decode_as_the_backend_writes_them():
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from kvbridge.serving.lmcache_store import decode_pages
+    from kvbridge.serving.store.lmcache_store import decode_pages
 
     layers, heads, dim, blocks, tokens = 2, 4, 32, 3, 300
     isa = _get_attn_isa(torch.float32, BLOCK, dim)
@@ -82,7 +82,7 @@ def test_cpu_pages_decode_as_the_backend_writes_them():
 
 
 def test_values_no_model_holds_are_refused():
-    from kvbridge.serving.lmcache_store import out_of_range
+    from kvbridge.serving.store.lmcache_store import out_of_range
 
     fine = torch.randn(2, 8, 4, 32)
     assert out_of_range((fine, fine * 100)) is None
@@ -94,8 +94,8 @@ def test_values_no_model_holds_are_refused():
 
 def test_cascade_and_source_arguments_name_the_lmcache_server(tmp_path):
     from kvbridge import family
-    from kvbridge.serving.commands import _cascade_parser, pair_argv
-    from kvbridge.serving.server import source_argv
+    from kvbridge.cli.serving import _cascade_parser, pair_argv
+    from kvbridge.serving.launch import source_argv
 
     args, rest = _cascade_parser().parse_known_args(["--lmcache", "tcp://10.0.0.2:6000"])
     args.vllm_args = rest
@@ -115,10 +115,10 @@ def test_stored_kv_without_hidden_states_map_as_a_fresh_source_prefill():
     """What LMCache gives the map (the source's K/V of a prefix, no hidden states) builds the cache a fresh source
     prefill builds, for a map that reads no state; one that does is refused in words."""
     from kvbridge import family
-    from kvbridge.mapper import Mapper
-    from kvbridge.models import cache_kv, prefill
-    from kvbridge.recompute import Stored
-    from kvbridge.transfer import Bridge
+    from kvbridge.core.mapper import Mapper
+    from kvbridge.core.models import cache_kv, prefill
+    from kvbridge.core.recompute import Stored
+    from kvbridge.core.transfer import Bridge
 
     source, target = family.load_family()
     bridge = Bridge(source, target, Mapper.from_pretrained(family.mapper_path().replace("mapper", "mapper-plain")))
@@ -133,7 +133,7 @@ def test_stored_kv_without_hidden_states_map_as_a_fresh_source_prefill():
 
 
 def test_a_server_down_is_a_reason_within_the_timeout():
-    from kvbridge.serving.lmcache_store import Geometry, LMCacheSource, free_port
+    from kvbridge.serving.store.lmcache_store import Geometry, LMCacheSource, free_port
 
     pytest.importorskip("lmcache.integration.vllm.vllm_multi_process_adapter")  # imported first: seconds, not a wait
     reader = LMCacheSource(f"tcp://127.0.0.1:{free_port()}", "m", BLOCK, Geometry(2, 4, 32), timeout_s=0.5)
@@ -149,7 +149,7 @@ def test_a_server_down_is_a_reason_within_the_timeout():
 @pytest.fixture(scope="module")
 def lmcache(tmp_path_factory):
     """The module's LMCache server: (process, url)."""
-    from kvbridge.serving.lmcache_store import start_server, stop_server
+    from kvbridge.serving.store.lmcache_store import start_server, stop_server
 
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     log = open(tmp_path_factory.mktemp("lmcache") / "server.log", "w")
@@ -164,7 +164,7 @@ def test_an_entry_out_of_range_is_refused_and_a_sound_one_round_trips(lmcache):
     own): one holding 1e30 is refused with its reason; a sound one reads back exactly."""
     from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 
-    from kvbridge.serving.lmcache_store import Geometry, LMCacheSource, decode_pages
+    from kvbridge.serving.store.lmcache_store import Geometry, LMCacheSource, decode_pages
 
     torch.manual_seed(0)
     reader = LMCacheSource(lmcache[1], "kvbridge-test-writer", BLOCK, Geometry(2, 4, 32))
@@ -197,14 +197,14 @@ def test_an_entry_out_of_range_is_refused_and_a_sound_one_round_trips(lmcache):
 @pytest.fixture(scope="module")
 def engines(lmcache, family_fast_mapper):
     """(source llm, target llm, target's config, url)."""
-    from kvbridge.serving.server import cpu_defaults
+    from kvbridge.serving.launch import cpu_defaults
 
     cpu_defaults()
     from vllm import LLM
 
     from kvbridge import family
     from kvbridge.serving import ServeConfig, engine_kwargs
-    from kvbridge.serving.lmcache_store import source_transfer_config
+    from kvbridge.serving.store.lmcache_store import source_transfer_config
 
     url = lmcache[1]
     common = dict(dtype="float32", max_model_len=2048, enforce_eager=True, block_size=BLOCK, max_num_seqs=8)
@@ -225,8 +225,8 @@ def test_a_stored_conversation_decodes_to_the_sources_own_kv(engines):
     from test_serving_store import serve_source, stream_prompts
 
     from kvbridge import family
-    from kvbridge.models import cache_kv, load_model, prefill
-    from kvbridge.serving.lmcache_store import Geometry, LMCacheSource
+    from kvbridge.core.models import cache_kv, load_model, prefill
+    from kvbridge.serving.store.lmcache_store import Geometry, LMCacheSource
 
     source, _, _, url = engines
     history = serve_source(source, stream_prompts((700,), offset=0))[0]
@@ -288,7 +288,7 @@ def test_the_target_escalates_a_stored_conversation_as_the_cold_path(engines):
 def test_with_lmcache_down_the_cold_path_answers_with_a_reason(engines, lmcache):
     from test_serving_store import ask_target, stream_prompts
 
-    from kvbridge.serving.lmcache_store import stop_server
+    from kvbridge.serving.store.lmcache_store import stop_server
 
     _, target, config, _ = engines
     turns = stream_prompts((600,), offset=90)

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.serving.load import (
+from kvbridge.serving.bench.load import (
     Arrival,
     counter,
     engine_counters,
@@ -130,8 +130,8 @@ def test_prompts_start_with_bos_and_have_the_arrivals_length():
 
 
 def test_the_load_option_per_server_and_per_request():
-    from kvbridge.serving.config import ServeConfig, request_load
-    from kvbridge.serving.middleware import check_body
+    from kvbridge.serving.engine.config import ServeConfig, request_load
+    from kvbridge.serving.engine.middleware import check_body
 
     assert ServeConfig(mapper="m", source="s", target="t").sync_load is True  # synchronous by default (measured)
     with pytest.raises(InputError, match="sync_load must be true or false"):
@@ -151,7 +151,7 @@ def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_s
     target's requests then carry (its store keys by them); the cold ways ask for no store; no source: refused."""
     import asyncio
 
-    from kvbridge.serving import load
+    from kvbridge.serving.bench import load
 
     calls = []
 
@@ -184,7 +184,7 @@ def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_s
 
 
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
-    from kvbridge.serving.commands import _load_source_argv
+    from kvbridge.cli.serving import _load_source_argv
 
     argv = _load_source_argv(["--mapper", "m", "--target=t", "--max-model-len", "2048", "--recompute", "0",
                               "--hold-back", "4", "--block-size", "64", "--connector-dtype", "bfloat16"], "/tmp/s")
@@ -197,8 +197,8 @@ def test_the_warm_way_waits_for_the_sources_maps_ahead(tmp_path):
     import asyncio
     import time
 
-    from kvbridge.serving.load import quiet
-    from kvbridge.serving.store import JOURNAL_FILE
+    from kvbridge.serving.bench.load import quiet
+    from kvbridge.serving.store.folder import JOURNAL_FILE
 
     journal = tmp_path / JOURNAL_FILE
 

@@ -23,7 +23,7 @@ STARTUP_S = 240
 def servers(family_fast_mapper, tmp_path_factory):
     """(source url, target url, log folder): `kvbridge serve-source` (mapping ahead) and `kvbridge serve --store` on
     the embedded family with the fast mapper, sharing a store, started once."""
-    from kvbridge.serving.cascade import launched_pair
+    from kvbridge.serving.bench.cascade import launched_pair
 
     logs = tmp_path_factory.mktemp("serve")
     store = str(logs / "store")
@@ -171,7 +171,7 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.cascade import cascade_table, run_cascade_bench
+    from kvbridge.serving.bench.cascade import cascade_table, run_cascade_bench
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     # the source server stands in as its own baseline here (the baseline's server is `serve-source --no-store`): this
@@ -218,8 +218,8 @@ def test_the_escalation_benchmark_through_lmcache(servers, family_fast_mapper, t
             raise
         pytest.skip(f"lmcache does not import: {exc}")
     from kvbridge.cli import main
-    from kvbridge.serving.cascade import launched_pair
-    from kvbridge.serving.lmcache_store import start_server, stop_server
+    from kvbridge.serving.bench.cascade import launched_pair
+    from kvbridge.serving.store.lmcache_store import start_server, stop_server
 
     with open(tmp_path / "lmcache.log", "w") as log:
         process, url = start_server("127.0.0.1", l1_gb=0.25, log=log)
@@ -269,7 +269,7 @@ def test_the_engine_benchmark_reports_the_connector_and_the_ceiling(server):
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.bench import engine_table, run_engine_bench
+    from kvbridge.serving.bench.ttft import engine_table, run_engine_bench
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     report = run_engine_bench(server[0], "kvbridge-family", tokenizer, [256], [1], warmup=0, rounds=1, new_tokens=2,
@@ -294,8 +294,8 @@ def test_the_load_benchmark_replays_a_trace_and_reads_the_engines_prefill_counte
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.bench import heldout_stream
-    from kvbridge.serving.load import PARAMS, poisson_trace, replay, scrape, settled, way_result
+    from kvbridge.serving.bench.load import PARAMS, poisson_trace, replay, scrape, settled, way_result
+    from kvbridge.serving.bench.ttft import heldout_stream
 
     url = server[0]
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
@@ -335,8 +335,8 @@ def test_the_load_benchmarks_warm_way_reads_what_the_source_stored(servers):
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.bench import heldout_stream
-    from kvbridge.serving.load import poisson_trace, run_ways
+    from kvbridge.serving.bench.load import poisson_trace, run_ways
+    from kvbridge.serving.bench.ttft import heldout_stream
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     stream = heldout_stream(tokenizer)

@@ -25,14 +25,14 @@ CAP = 24 << 20  # bytes: about 28 of the family source's 128-token blocks with t
 @pytest.fixture(scope="module")
 def engines(family_fast_mapper, tmp_path_factory):
     """(source llm, target llm, config, store folder)."""
-    from kvbridge.serving.server import cpu_defaults
+    from kvbridge.serving.launch import cpu_defaults
 
     cpu_defaults()
     from vllm import LLM
 
     from kvbridge import family
     from kvbridge.serving import ServeConfig, engine_kwargs
-    from kvbridge.serving.config import StoreConfig, producer_transfer_config
+    from kvbridge.serving.engine.config import StoreConfig, producer_transfer_config
 
     store = str(tmp_path_factory.mktemp("store"))
     common = dict(dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128, max_num_seqs=8)
@@ -50,7 +50,7 @@ def stream_prompts(lengths, offset):
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.bench import heldout_stream, token_windows
+    from kvbridge.serving.bench.ttft import heldout_stream, token_windows
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     stream = heldout_stream(tokenizer)
@@ -127,7 +127,7 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
     # entries the scheduler counted that fail the worker's checks (the second block's source and mapped entries
     # corrupted in the two longer conversations, read from the folder: the copies in memory were checked before the
     # damage): the source maps from there, the new turn stays the target's
-    from kvbridge.serving.store import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
 
     assert serve_source(source, prompts, salt="s-bad") == histories
     store = KVStore(engines[3])
@@ -145,7 +145,7 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
 
 
 def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
-    from kvbridge.serving.store import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
 
     source, target, config, store_dir = engines
     history = serve_source(source, stream_prompts((600,), offset=70))[0]
@@ -175,7 +175,7 @@ def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
 
 
 def test_the_store_keeps_its_cap_under_many_prompts(engines):
-    from kvbridge.serving.store import KVStore
+    from kvbridge.serving.store.folder import KVStore
 
     source, _, _, store_dir = engines
     serve_source(source, stream_prompts([300] * 50, offset=100), new_tokens=2)  # about 150 entries, 50 MB
@@ -192,7 +192,7 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     from safetensors import safe_open
     from safetensors.torch import load, save
 
-    from kvbridge.serving.store import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
 
     source, target, config, store_dir = engines
     store = KVStore(store_dir)
@@ -235,7 +235,7 @@ def test_a_source_request_that_asks_is_announced_for_prewarm_once_stored(engines
     one that ended on a block boundary is announced by its last full block."""
     from vllm import SamplingParams
 
-    from kvbridge.serving.store import KVStore, chain, chain_seed
+    from kvbridge.serving.store.folder import KVStore, chain, chain_seed
 
     source, _, _, store_dir = engines
     store = KVStore(store_dir)

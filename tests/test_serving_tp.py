@@ -22,7 +22,7 @@ def engine(family_fast_mapper):
 
     from kvbridge import Bridge, Mapper, family
     from kvbridge.serving import ServeConfig, engine_kwargs
-    from kvbridge.serving.server import cpu_defaults
+    from kvbridge.serving.launch import cpu_defaults
 
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path())
     kwargs = engine_kwargs(config, dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128,
@@ -81,7 +81,7 @@ def test_one_workers_failed_map_makes_the_request_native_on_every_worker(engine)
 def test_each_worker_holds_the_heads_vllm_gives_it(monkeypatch, heads, workers, expected):
     import vllm.distributed
 
-    from kvbridge.serving.connector import worker_heads
+    from kvbridge.serving.engine.connector import worker_heads
 
     for rank, want in enumerate(expected):
         monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda rank=rank: rank)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbridge.errors import InputError
-from kvbridge.serving.store import KVStore, chain, chain_seed, identity, next_key
+from kvbridge.serving.store.folder import KVStore, chain, chain_seed, identity, next_key
 
 L, H, D, S, BT = 2, 2, 4, 6, 8  # layers, kv heads, head dim, hidden, block tokens
 ME = identity("weights", "tok", L, H, D, S)
@@ -93,7 +93,7 @@ def test_another_model_torn_and_corrupted_entries_are_refused_and_named(tmp_path
 
 
 def test_writes_are_atomic_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    import kvbridge.serving.store as store_module
+    import kvbridge.serving.store.folder as store_module
 
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     (tmp_path / "entries" / "ab").mkdir(parents=True)
@@ -112,7 +112,7 @@ def test_the_cap_holds_and_evicts_the_least_recently_used(tmp_path, monkeypatch)
     """The cap holds at every moment: when an entry lands, the folder with it is within the cap (a reader counting
     the folder between a write and its eviction never sees more), counting an entry another thread of this process
     has made room for and is still writing (not in the folder yet, so not in a recount or an eviction's count)."""
-    from kvbridge.serving import store as store_module
+    from kvbridge.serving.store import folder as store_module
 
     one = len(__import__("safetensors.torch").torch.save(
         {"key": block(0)[0], "value": block(0)[1], "hidden": block(0)[2], "ids": torch.zeros(BT, dtype=torch.int64)}))
@@ -168,8 +168,8 @@ def family_bridge():
 def test_mapped_cache_from_stored_source_kv_equals_a_fresh_prefill(family_bridge, stored):
     """Warm == cold: the shipped mapper (levers, 4 % selective recompute by the source's logits) from stored K/V and
     hidden states of the first tokens (the source computes the rest over them) equals the fresh prefill's cache."""
-    from kvbridge.models import cache_kv, prefill
-    from kvbridge.recompute import Stored
+    from kvbridge.core.models import cache_kv, prefill
+    from kvbridge.core.recompute import Stored
 
     b = family_bridge
     ids = torch.tensor([[1] + list(range(300, 598))])
@@ -183,7 +183,7 @@ def test_mapped_cache_from_stored_source_kv_equals_a_fresh_prefill(family_bridge
 
 
 def test_stored_kv_of_another_shape_is_refused(family_bridge):
-    from kvbridge.recompute import Stored
+    from kvbridge.core.recompute import Stored
 
     ids = torch.tensor([[1] + list(range(300, 340))])
     bad = Stored(16, [torch.zeros(1, 4, 16, 32)] * 3, [torch.zeros(1, 4, 16, 32)] * 3, torch.zeros(1, 16, 160))
@@ -194,7 +194,7 @@ def test_stored_kv_of_another_shape_is_refused(family_bridge):
 def test_mapped_entries_are_read_per_map_and_refused_for_another(tmp_path):
     """Map-ahead entries sit beside the source's, keyed by the same chain and the map: another map's never match
     (another path), one whose metadata names another map is refused, a tail is read as far as the prompt shares."""
-    from kvbridge.serving.store import map_identity
+    from kvbridge.serving.store.folder import map_identity
 
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     ids = list(range(1, 20))
@@ -225,13 +225,13 @@ def test_mapped_entries_are_read_per_map_and_refused_for_another(tmp_path):
 @pytest.fixture(scope="module")
 def rope_models():
     from kvbridge import family
-    from kvbridge.models import load_rope_model
+    from kvbridge.core.models import load_rope_model
 
     return load_rope_model(family.source_path()), load_rope_model(family.target_path())
 
 
 def test_a_rope_model_is_the_checkpoint_without_its_weights(family_bridge, rope_models):
-    from kvbridge.rope import rope_factors
+    from kvbridge.core.rope import rope_factors
 
     source, target = rope_models
     assert (source.info, target.info) == (family_bridge.source.info, family_bridge.target.info)
@@ -245,9 +245,9 @@ def test_a_rope_model_is_the_checkpoint_without_its_weights(family_bridge, rope_
 def test_blocks_mapped_ahead_equal_the_map_of_the_whole_prompt(family_bridge, rope_models):
     """Map-ahead: each 128-token block mapped alone (with the tokens before it its lags read, as the source engine
     does) equals the same tokens of the whole prompt's map; a mapped cache built from them equals the cold one."""
-    from kvbridge.models import cache_kv, prefill
-    from kvbridge.recompute import Stored
-    from kvbridge.transfer import map_block
+    from kvbridge.core.models import cache_kv, prefill
+    from kvbridge.core.recompute import Stored
+    from kvbridge.core.transfer import map_block
 
     b, (source, target) = family_bridge, rope_models
     assert b.mapper.max_lag == 2 and b.selects_tokens  # the shipped mapper: lags, 4 % selective recompute

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from kvbridge.serving import store as store_module
-from kvbridge.serving.hot import HotEntries
-from kvbridge.serving.store import KVStore, chain_seed, identity, map_identity, next_key
+from kvbridge.serving.store import folder as store_module
+from kvbridge.serving.store.folder import KVStore, chain_seed, identity, map_identity, next_key
+from kvbridge.serving.store.hot import HotEntries
 
 L, H, D, BT = 3, 2, 4, 8  # target layers, kv heads, head dim, block tokens
 ME = identity("weights", "tok", 2, 2, 4, 6)
@@ -139,7 +139,7 @@ def test_memory_keeps_its_cap_least_recently_used_out_first(tmp_path):
 
 
 def test_the_prefetch_thread_loads_what_is_announced_while_the_engine_is_idle(tmp_path):
-    from kvbridge.serving.idle import IDLE_S, StepClock
+    from kvbridge.serving.engine.idle import IDLE_S, StepClock
 
     class Failing(HotEntries):  # the first entry's load fails: the rest of its batch is still loaded
         failed = False

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from kvbridge import Mapper
+from kvbridge.core.models import load_model
+from kvbridge.core.transfer import Bridge
 from kvbridge.errors import CompatibilityError, InputError
-from kvbridge.models import load_model
-from kvbridge.transfer import Bridge
 
 PROMPTS = [
     "Return a new dictionary initialized from an optional positional argument",
@@ -121,8 +121,8 @@ def test_revision_mismatch_needs_the_override(target):
 
 def test_chunked_map_equals_one_chunk(source, target):
     """Mapping in token chunks (bounded transient memory) builds the same cache as one big chunk."""
-    from kvbridge.mapper import MapperConfig
-    from kvbridge.models import cache_kv
+    from kvbridge.core.mapper import MapperConfig
+    from kvbridge.core.models import cache_kv
 
     g = torch.Generator().manual_seed(0)
     config = MapperConfig(source=source.info, target=target.info,
@@ -150,7 +150,7 @@ def test_scoring_at_the_position_limit(identity_bridge):
 def test_scoring_builds_no_autograd_graph():
     """Models are loaded with gradients on: every scoring path must run under no_grad (memory, not values)."""
     from kvbridge import family
-    from kvbridge.scoring import score_plain
+    from kvbridge.core.scoring import score_plain
 
     _, target = family.load_family()
     seen = []
@@ -169,7 +169,7 @@ def test_the_cache_keyword_is_the_one_this_transformers_takes():
 
     from transformers import Ministral3ForCausalLM
 
-    from kvbridge.models import cache_keyword
+    from kvbridge.core.models import cache_keyword
 
     assert cache_keyword() in inspect.signature(Ministral3ForCausalLM.forward).parameters
     assert cache_keyword() in inspect.signature(Ministral3ForCausalLM.prepare_inputs_for_generation).parameters

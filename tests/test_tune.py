@@ -4,10 +4,10 @@ import pytest
 import torch
 from test_rope import ARCHS, ROPES, tiny_model
 
+from kvbridge.core.models import check_decoder_layers, decoder_layer, layer_inputs, next_token_logprobs
+from kvbridge.core.rope import rotary_factors
 from kvbridge.errors import InputError, UnsupportedModelError
-from kvbridge.models import check_decoder_layers, decoder_layer, layer_inputs, next_token_logprobs
-from kvbridge.rope import rotary_factors
-from kvbridge.texts import SPAN_TOKENS, repeat_spans
+from kvbridge.fit.texts import SPAN_TOKENS, repeat_spans
 
 
 @pytest.mark.parametrize("arch", ARCHS)

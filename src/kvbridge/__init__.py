@@ -4,6 +4,9 @@ A small source model prefills the context, a closed-form linear mapper turns its
 cache of a larger target model of the same family, and the target continues without prefilling.
 """
 
+from .core.mapper import Mapper, MapperConfig  # noqa: E402
+from .core.models import load_model  # noqa: E402
+from .core.transfer import Bridge  # noqa: E402
 from .errors import (
     ArtifactError,
     CompatibilityError,
@@ -15,9 +18,6 @@ from .errors import (
     UnsupportedModelError,
 )
 from .fit import FitConfig, fit_mapper  # noqa: E402
-from .mapper import Mapper, MapperConfig  # noqa: E402
-from .models import load_model  # noqa: E402
-from .transfer import Bridge  # noqa: E402
 from .version import __version__
 
 __all__ = [

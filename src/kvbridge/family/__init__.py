@@ -2,12 +2,12 @@
 
 ``target`` (4 layers, 256 wide) and ``source`` (2 layers, 160 wide, pruned from the target and
 distilled) share one byte-level BPE tokenizer and were trained on the CPython standard library's
-source (PSF License 2.0) by :mod:`kvbridge.family.train`. They load through exactly the same
+source (PSF License 2.0) by :mod:`kvbridge.family.training.train`. They load through exactly the same
 transformers code path as hub checkpoints, so every command works on them with no network. A second,
 *deep* family (``name="deep"``: an 8-layer target and a 4-layer source, each trained from its own random
-initialization by :mod:`kvbridge.family.train_deep`) shares the tokenizer and the data splits; a third,
+initialization by :mod:`kvbridge.family.training.train_deep`) shares the tokenizer and the data splits; a third,
 ``deep-pruned``, pairs the deep target with a 4-layer source pruned from it and distilled
-(:mod:`kvbridge.family.train_pruned`): the deep family's geometry, built the way Ministral 3's sizes are.
+(:mod:`kvbridge.family.training.train_pruned`): the deep family's geometry, built the way Ministral 3's sizes are.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ PRUNED = FAMILY_DIR / "deep-pruned"  # its target with a source pruned from it a
 # each family's folder holds its source/ and family.json, and its target/ unless TARGET_OF names another family's
 FAMILIES = {"default": CHECKPOINTS, "deep": DEEP, "deep-pruned": PRUNED}
 TARGET_OF = {"deep-pruned": "deep"}  # deep-pruned's target is the deep family's (the checkpoint it was pruned from)
-TRAIN = {"default": "retrain it with `python -m kvbridge.family.train`",
-         "deep": "train it with `python -m kvbridge.family.train_deep` (resumable; several hours on 2 CPU cores)",
-         "deep-pruned": "train it with `python -m kvbridge.family.train_pruned` (resumable; about 16 minutes on 2 "
-                        "CPU cores, from the deep family's target)"}
+TRAIN = {"default": "retrain it with `python -m kvbridge.family.training.train`",
+         "deep": "train it with `python -m kvbridge.family.training.train_deep` (resumable; several hours on 2 "
+                 "CPU cores)",
+         "deep-pruned": "train it with `python -m kvbridge.family.training.train_pruned` (resumable; about 16 "
+                        "minutes on 2 CPU cores, from the deep family's target)"}
 DESCRIPTIONS = {"default": "4-layer target, 2-layer source pruned from it and distilled",
                 "deep": "8-layer target, 4-layer source trained on its own",
                 "deep-pruned": "the deep target, a 4-layer source pruned from it and distilled"}
@@ -90,10 +91,10 @@ def report(name: str = "default") -> dict:
 
 
 def load_family(device: str = "cpu", dtype=None, name: str = "default"):
-    """``(source, target)`` as :class:`kvbridge.models.LoadedModel`, loaded like any checkpoint folder. ``name``:
+    """``(source, target)`` as :class:`kvbridge.core.models.LoadedModel`, loaded like any checkpoint folder. ``name``:
     ``default`` (4-layer target, 2-layer source pruned from it), ``deep`` (8-layer target, 4-layer source
     trained on its own) or ``deep-pruned`` (the deep target, a 4-layer source pruned from it)."""
-    from ..models import load_model
+    from ..core.models import load_model
 
     return (load_model(source_path(name), device=device, dtype=dtype),
             load_model(target_path(name), device=device, dtype=dtype))

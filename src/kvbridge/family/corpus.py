@@ -19,7 +19,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from ..hashing import sha256_bytes
+from ..core.hashing import sha256_bytes
 
 CHUNK_CHARS = 4000
 MAX_FILE_BYTES = 400_000

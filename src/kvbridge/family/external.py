@@ -27,8 +27,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from ..core.hashing import sha256_bytes
 from ..errors import InputError
-from ..hashing import sha256_bytes
 
 EXTERNAL = Path(__file__).parent / "data" / "external"
 LICENSE_FILE = Path(__file__).parent / "LICENSE-EXTERNAL.txt"

@@ -1,0 +1,1000 @@
+"""The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``load-bench``,
+``cascade-bench`` and ``serve-eval`` (their parsers and what they run; :mod:`kvbridge.cli` hands them their arguments).
+
+Each parses its own options and passes the ones it does not know on: ``serve`` and ``serve-source`` to ``vllm
+serve``, the benchmarks to the servers they start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+
+from ..core.outputs import check_output_file
+from ..errors import KVBridgeError
+from .console import EPILOG, check_results, counts, log, require
+
+
+def add_pair(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
+    g.add_argument("--mapper", help="mapper folder or hub id")
+    g.add_argument("--mapper-revision", help="hub revision of the mapper")
+    g.add_argument("--source", help="source model (folder or hub id)")
+    g.add_argument("--target", help="target model, the one vLLM serves (folder or hub id)")
+    g.add_argument("--source-revision", help="hub revision of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--allow-revision-mismatch", action="store_true",
+                   help="accept models whose revision differs from the mapper's record")
+    g.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
+    g.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
+                                                   "connector (default: the mapper's; 0: none)")
+    g.add_argument("--connector-device", default="auto",
+                   help="device of the source and mapper inside the engine's worker (default: auto: cuda when a GPU "
+                        "is there, else cpu)")
+    g.add_argument("--connector-dtype", default="auto",
+                   help="their dtype, and the engine's unless --dtype is given (default: auto: float32 on CPU, "
+                        "bfloat16 on GPU)")
+
+
+def pair_config(args, **settings):
+    """``(ServeConfig, served model name, is the family)`` from the pair options (hub ids resolved to folders)."""
+    from .. import family
+    from ..core.artifact import resolve
+    from ..core.models import check_device, resolve_model
+    from ..serving.engine.config import ServeConfig
+
+    if (args.source is None) != (args.target is None) or (args.source and not args.mapper):
+        raise KVBridgeError("give --source, --target and --mapper together, or none of them for the embedded family.")
+    if args.connector_device == "auto":
+        import torch
+
+        args.connector_device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(args.connector_device, "--connector-device")
+    if args.source:
+        source = resolve_model(args.source, args.source_revision)
+        target = resolve_model(args.target, args.target_revision)
+        name = args.target if not Path(args.target).exists() else Path(args.target).name
+    else:
+        source, target, name = family.source_path(), family.target_path(), "kvbridge-family"
+    mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
+    runtime = {k: v for k, v in (("hold_back", args.hold_back), ("recompute", args.recompute)) if v is not None}
+    config = ServeConfig(mapper=mapper, source=source, target=target, device=args.connector_device,
+                         dtype=args.connector_dtype, runtime=runtime,
+                         allow_revision_mismatch=args.allow_revision_mismatch, **settings)
+    return config, name, not args.source
+
+
+def add_native_rest(group) -> None:
+    from ..serving.engine.config import ServeConfig
+
+    default = ServeConfig(mapper="-", source="-", target="-").native_rest
+    group.add_argument("--native-rest", type=int, default=default, metavar="N",
+                       help="when a prompt's stored prefix leaves at most N tokens (a conversation's new turn), the "
+                            "target computes them itself over the stored prefix and the source does not run; 0: the "
+                            f"source prefills them for the mapper, as on the cold path (default: {default})")
+
+
+def add_store_memory(group) -> None:
+    group.add_argument("--store-memory-gb", type=float, default=1.0, metavar="GB",
+                       help="blocks the source engine maps ahead are loaded into the target's memory as it announces "
+                            "them, up to this much per engine worker (least recently used out first), so that an "
+                            "escalated turn reads them from memory; 0: read from the store's folder when a turn needs "
+                            "them (default: 1)")
+
+
+def add_prewarm(p) -> None:
+    p.add_argument("--prewarm", action="store_true",
+                   help="the source's every request asks the target's server to load its conversation ahead, once "
+                        "its blocks are stored (and mapped ahead): an escalated turn then finds its history in the "
+                        "target's prefix cache (default: only requests whose kv_transfer_params say "
+                        "{\"kvbridge_prewarm\": true}; each costs the target one short request)")
+
+
+def add_lmcache(p, owner: bool, bench: bool = False) -> None:
+    """``--lmcache`` (and, where the command can start a server of its own, its tiers; ``bench``: cascade-bench's,
+    a second pair beside the folder's, started or running)."""
+    if bench:
+        g = p.add_argument_group("LMCache (a second pair beside the folder's: its source stores its K/V in an LMCache "
+                                 "server, its target reads them from there: the lmcache way)")
+        g.add_argument("--lmcache", metavar="URL|auto",
+                       help="also start `kvbridge cascade --lmcache`'s pair, sharing the LMCache server at "
+                            "tcp://HOST:PORT or one this command starts and stops (auto); each conversation's source "
+                            "turns go to its source too, and the escalated turn to its target as one more way in the "
+                            "random order: its TTFT, its answer against the cold path's at the same split, LMCache "
+                            "minus folder paired per conversation, and where its loads' time went")
+    elif owner:
+        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
+                                 "a store folder)")
+        g.add_argument("--lmcache", metavar="URL|auto",
+                       help="the source engine stores its K/V through vLLM's LMCacheMPConnector in the LMCache server "
+                            "at tcp://HOST:PORT, or in one this command starts and stops (auto); the store folder, "
+                            "map-ahead and prewarm are then not used")
+    else:
+        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
+                                 "a store folder)")
+        g.add_argument("--lmcache", metavar="URL",
+                       help="instead of --store: the LMCache server (tcp://HOST:PORT) a source engine stores its K/V "
+                            "in (`kvbridge serve-source --lmcache`, or any vLLM engine with LMCacheMPConnector and "
+                            "the source's llama-4 override): the whole chunks of a prompt found there are mapped "
+                            "without a source prefill")
+        g.add_argument("--lmcache-model", metavar="NAME",
+                       help="the model name that source engine was given (LMCache keys by it; default: the source's "
+                            "folder, as kvbridge serve-source gives it)")
+        return
+    g.add_argument("--lmcache-l1-gb", type=float, default=1.0,
+                   help="with --lmcache auto: the server's memory tier in GiB (allocated up front; default: 1)")
+    g.add_argument("--lmcache-l2", metavar="JSON",
+                   help="with --lmcache auto: a second tier, LMCache's --l2-adapter: a disk "
+                        "'{\"type\":\"fs\",\"base_path\":DIR}' or Redis "
+                        "'{\"type\":\"resp\",\"host\":H,\"port\":P}'")
+    if bench:
+        g.add_argument("--lmcache-source-url", help="instead of --lmcache, with --source-url: a running `kvbridge "
+                                                    "serve-source --lmcache` server (with --lmcache-target-url)")
+        g.add_argument("--lmcache-target-url", help="a running `kvbridge serve --lmcache` server reading the LMCache "
+                                                    "server that source stores in")
+
+
+@contextlib.contextmanager
+def lmcache_server(args, log_dir: str | Path | None = None):
+    """The LMCache URL ``--lmcache`` names (None without it); with ``auto``, a server started here (its log in
+    ``log_dir``) and stopped, by its own process id, when the block ends."""
+    from ..serving.store.lmcache_store import normal_url, start_server
+
+    if not getattr(args, "lmcache", None):
+        yield None
+        return
+    if args.lmcache != "auto":
+        yield normal_url(args.lmcache)
+        return
+    if not 0 < args.lmcache_l1_gb <= 1 << 20:
+        raise KVBridgeError(f"--lmcache-l1-gb must be a positive number of GiB, not {args.lmcache_l1_gb}.")
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(log_dir) / "lmcache.log" if log_dir else os.devnull, "w") as out:
+        process, url = start_server(l1_gb=args.lmcache_l1_gb, l2=args.lmcache_l2, log=out)
+        log(f"LMCache server at {url} (pid {process.pid}, {args.lmcache_l1_gb:g} GiB memory"
+            f"{', tier ' + args.lmcache_l2 if args.lmcache_l2 else ''})")
+        try:
+            yield url
+        finally:
+            from ..serving.store.lmcache_store import stop_server
+
+            stop_server(process)
+
+
+def store_memory_bytes(args) -> int:
+    if not 0 <= args.store_memory_gb <= 1 << 20:  # (NaN and infinity fail too)
+        raise KVBridgeError(f"--store-memory-gb must be a number of GiB from 0 to 1048576, not {args.store_memory_gb}.")
+    return int(args.store_memory_gb * 2**30)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from ..serving.engine.config import MODES, ServeConfig
+
+    d = ServeConfig(mapper="-", source="-", target="-")
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve",
+        description="Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
+                    "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
+                    "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
+                    "Any failure for a request falls back to a native prefill. With no pair, the embedded family "
+                    "and its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.",
+        epilog="Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
+               "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
+    add_pair(p)
+    r = p.add_argument_group("requests")
+    r.add_argument("--mode", choices=MODES, default=d.mode,
+                   help=f"default for requests whose kv_transfer_params do not say (default: {d.mode})")
+    r.add_argument("--min-tokens", type=int, default=None,
+                   help=f"auto maps prompts of at least this many tokens (default: the break-even of --bench, else "
+                        f"{d.min_tokens})")
+    r.add_argument("--async-load", action="store_true",
+                   help="map each request in a thread beside the engine's steps, the request waiting for its blocks, "
+                        "instead of inside the step, every running request waiting for it (default: inside, which "
+                        "measured better on a 2-core CPU: docs/serving.md; per request kv_transfer_params "
+                        "{\"kvbridge_load\": \"sync\" | \"async\"})")
+    r.add_argument("--bench", help="a `kvbridge bench --json` file of this pair, or a `kvbridge serve-bench --json` "
+                                   "one of this server's settings (through the engine, one request at a time): "
+                                   "auto's threshold is the shortest context whose mapped TTFT beat native")
+    w = p.add_argument_group("warm transfer (the source engine's stored KV: see kvbridge serve-source)")
+    w.add_argument("--store", help="the KV store a `kvbridge serve-source` engine writes: prompt blocks found there "
+                                   "are read where it mapped them ahead, else mapped without a source prefill; "
+                                   "a short rest after them is computed by the target (--native-rest) (default: "
+                                   "none, every mapped prefix is cold)")
+    w.add_argument("--no-store-verify", dest="store_verify", action="store_false",
+                   help="skip the CRC-32 check of each stored block as it is read (large models: saves ~1 ms per "
+                        "4 MB)")
+    add_native_rest(w)
+    add_store_memory(w)
+    add_lmcache(p, owner=False)
+    w.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="with --store: ignore the conversations a source engine announces for loading ahead "
+                        "(serve-source --prewarm, or a source request's kv_transfer_params "
+                        "{\"kvbridge_prewarm\": true}); by default they are loaded into this server's prefix cache, "
+                        "in the mapper's namespace, as soon as the source has stored them")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--served-model-name", help="model name clients send (default: the target's hub id or folder "
+                                               "name; kvbridge-family for the embedded family)")
+    s.add_argument("--plain", action="store_true",
+                   help="serve the target with vLLM alone — the engine settings kvbridge gives it, no connector, no "
+                        "middleware: the baseline of kvbridge load-bench")
+    return p
+
+
+def _cmd_serve(args) -> int:
+    from .. import family
+    from ..serving.launch import break_even, serve
+
+    min_tokens = args.min_tokens if args.min_tokens is not None else (break_even(args.bench) if args.bench else None)
+    config, name, is_family = pair_config(args, mode=args.mode, store=args.store, store_verify=args.store_verify,
+                                          native_rest=args.native_rest, store_memory_bytes=store_memory_bytes(args),
+                                          sync_load=not args.async_load,
+                                          lmcache=args.lmcache, lmcache_model=args.lmcache_model,
+                                          **({"min_tokens": min_tokens} if min_tokens is not None else {}))
+    if is_family and not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
+        args.vllm_args += ["--chat-template", family.chat_template_path()]  # its tokenizer has none
+    return serve(config, args.served_model_name or name, args.host, args.port, args.vllm_args, args.prewarm,
+                 args.plain)
+
+
+def _serve_eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-eval",
+        description="Retention through vLLM: the family tasks (perplexity, 4-way cloze, random- and real-span "
+                    "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
+                    "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
+                    "runs in this process (vllm.LLM) in the connector's dtype.")
+    add_pair(p)
+    p.add_argument("--items", type=int, default=48, help="held-out documents per length (default: 48)")
+    p.add_argument("--lengths", default="256,1024", help="document lengths in tokens (default: 256,1024)")
+    p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
+    return p
+
+
+def _cmd_serve_eval(args) -> int:
+    import json
+
+    from .. import family
+    from ..core.outputs import write_text
+    from ..core.transfer import Bridge
+    from ..serving.bench.quality import engine_retention, retention_rows
+    from ..serving.engine.config import engine_kwargs
+    from ..serving.launch import cpu_defaults
+
+    lengths = counts(args.lengths, minimum=64, flag="--lengths")
+    if args.items < 4:
+        raise KVBridgeError("--items must be at least 4 (the cloze task draws its distractors from other rows).")
+    if args.json:
+        check_output_file(args.json, "--json")
+    config, _, _ = pair_config(args)
+    require("vllm", "serve", "kvbridge serve-eval")
+    from ..serving.launch import preflight
+
+    preflight(config)
+    if config.device == "cpu":
+        cpu_defaults()
+    from vllm import LLM
+
+    from ..core.models import resolve_dtype
+
+    dtype = resolve_dtype(config.dtype, config.device)
+    bridge = Bridge.from_pretrained(config.source, config.target, config.mapper, device=config.device, dtype=dtype,
+                                    allow_revision_mismatch=config.allow_revision_mismatch, **config.runtime)
+    llm = LLM(**engine_kwargs(config, dtype=str(dtype).replace("torch.", ""), enforce_eager=config.device == "cpu"))
+    try:
+        report = engine_retention(llm, config, bridge, family.heldout_texts(), args.items, lengths, log)
+    except RuntimeError as exc:
+        raise KVBridgeError(f"the engine could not score the family tasks: {exc}") from None
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # now: vLLM's threads abort the process at interpreter exit
+    print(retention_rows(report))
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_text(str(Path(args.json).with_suffix(".md")), retention_rows(report) + "\n")
+    return 0
+
+
+def _serve_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-bench",
+        description="Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` (every "
+                    "option this command does not know goes to it, and through it to vLLM) or measures a running one "
+                    "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
+                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput; the "
+                    "connector's time per mapped request; and the ceiling: each native wave sent again one token "
+                    "longer, a prefix-cache hit on its full blocks, what a transfer whose connector cost nothing "
+                    "would take.")
+    p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
+    p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
+    p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
+    p.add_argument("--concurrency", default="1,4,8", help="simultaneous requests per wave (default: 1,4,8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timed rounds; a round is a native wave, its re-send (the ceiling) and a mapped wave "
+                        "(default: 5)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request (default: 16)")
+    p.add_argument("--json", help="write every row to this file (and the table beside it as .md)")
+    p.add_argument("--plot", help="write a PNG: TTFT and speed-up vs context")
+    p.add_argument("--log", default="kvbridge-serve-bench.log", help="the started server's log (default: %(default)s)")
+    return p
+
+
+def _cmd_serve_bench(args) -> int:
+    from transformers import AutoTokenizer
+
+    from .. import family
+    from ..core.models import resolve_model
+    from ..serving.bench.ttft import engine_table, plot_engine, run_engine_bench, write_report
+    from ..serving.launch import launched
+
+    contexts = counts(args.contexts, minimum=2)
+    concurrency = counts(args.concurrency, minimum=1, flag="--concurrency")
+    if args.warmup < 0 or args.rounds < 1 or args.new_tokens < 1:
+        raise KVBridgeError("--warmup must be >= 0, --rounds >= 1 and --new-tokens >= 1.")
+    check_results(args, "kvbridge serve-bench")
+    require("openai", "serve", "kvbridge serve-bench")
+    from ..serving.launch import flag_value, given_flags
+
+    rest = list(args.serve_args)
+    given = given_flags(rest)
+    target = flag_value(rest, "--target")
+    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    say = lambda m: log(f"  {m}")  # noqa: E731
+    import openai
+
+    try:
+        if args.url:
+            import json
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(args.url.rstrip("/") + "/v1/models", timeout=30) as r:
+                    model = args.model or json.loads(r.read())["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise KVBridgeError(f"--url {args.url}: no OpenAI-compatible /v1/models there; give the base URL "
+                                    "of a kvbridge serve server (http://HOST:PORT).") from None
+            report = run_engine_bench(args.url.rstrip("/"), model, tokenizer, contexts, concurrency, args.warmup,
+                                      args.rounds, args.new_tokens, say)
+        else:
+            if "--served-model-name" not in given:
+                rest += ["--served-model-name", "kvbridge-bench"]
+            model = flag_value(rest, "--served-model-name")
+            log(f"starting kvbridge serve {' '.join(rest)} (log: {args.log})")
+            with launched(rest, args.log) as url:
+                report = run_engine_bench(url, model, tokenizer, contexts, concurrency, args.warmup, args.rounds,
+                                          args.new_tokens, say)
+    except openai.OpenAIError as exc:
+        raise KVBridgeError(f"the server refused a benchmark request ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]}); check --model, --contexts against the server's "
+                            "--max-model-len, and the server's log.") from None
+    import platform
+
+    import torch
+
+    report["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    print(f"\n{report['device']}; median of {report['rounds']} rounds after {report['warmup_rounds']} warm-ups; "
+          f"{report['new_tokens']} tokens per request; cold transfer (the source prefills inside the connector)\n")
+    print(engine_table(report))
+    if args.json:
+        write_report(report, args.json)
+    if args.plot:
+        plot_engine(report, args.plot)
+    return 0
+
+
+
+
+def _serve_source_parser() -> argparse.ArgumentParser:
+    from ..serving.bench.cascade import default_store
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge serve-source",
+        description="Start vLLM's OpenAI-compatible server for the source model, storing its KV as it serves: every "
+                    "block of tokens a request computes (prompt or answer) goes to the KV store, keyed by the token "
+                    "prefix and the source's identity, so that a target served with `kvbridge serve --store` maps it "
+                    "without a source prefill (warm transfer: cascades, escalation, routing); with a mapper "
+                    "(map-ahead) each stored block is also mapped into the target's K/V, so that the target reads it. "
+                    "Serving is unchanged; options kvbridge does not know are passed to `vllm serve`.",
+        epilog=EPILOG)
+    p.add_argument("--source", help="source model (folder or hub id; default: the embedded family's)")
+    p.add_argument("--source-revision", help="hub revision of the source")
+    m = p.add_argument_group("map-ahead (each stored block is also mapped into the target's K/V, in a background "
+                             "thread, so that the target's connector reads it instead of mapping it)")
+    m.add_argument("--map-ahead", action="store_true",
+                   help="map ahead with --mapper and --target (default without --source: the embedded family's "
+                        "shipped mapper and target)")
+    m.add_argument("--mapper", help="the mapper the target serves with (folder or hub id; implies --map-ahead)")
+    m.add_argument("--mapper-revision", help="hub revision of the mapper")
+    m.add_argument("--target", help="its target model (folder or hub id: its config, tokenizer and weights "
+                                    "fingerprint are read; its weights are not loaded)")
+    m.add_argument("--target-revision", help="hub revision of the target")
+    m.add_argument("--map-dtype", default="auto",
+                   help="dtype of the map (default: auto: float32 on CPU, bfloat16 on GPU, as the target's "
+                        "connector; the target reads entries of its own --connector-dtype only)")
+    p.add_argument("--store", default=default_store(), help="the KV store's folder (default: %(default)s)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0,
+                   help="the store's size cap: least recently used blocks are removed beyond it (default: 2)")
+    add_prewarm(p)
+    p.add_argument("--no-store", dest="storing", action="store_false",
+                   help="serve the source with vLLM alone, same settings, nothing stored (--store and "
+                        "--store-cap-gb are ignored): the baseline of what storing costs the source's own requests "
+                        "(kvbridge cascade-bench --source-baseline)")
+    add_lmcache(p, owner=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
+                                               "name; kvbridge-family-source for the embedded family)")
+    return p
+
+
+def _store_config(args, source: str | None = None):
+    """The source engine's store settings; with map-ahead (``source``: the served source's folder) the mapper and
+    target, resolved and checked against the source before vLLM starts."""
+    from .. import family
+    from ..core.artifact import resolve
+    from ..core.models import resolve_model
+    from ..serving.engine.config import ServeConfig, StoreConfig
+    from ..serving.launch import preflight
+
+    if not args.store_cap_gb > 0:
+        raise KVBridgeError(f"--store-cap-gb must be positive, not {args.store_cap_gb}.")
+    store = StoreConfig(store=str(Path(args.store).resolve()), cap_bytes=int(args.store_cap_gb * 2**30),
+                        prewarm=bool(getattr(args, "prewarm", False)))
+    if source is None or not (getattr(args, "map_ahead", False) or args.mapper or args.target):
+        return store
+    mapper = str(resolve(args.mapper, args.mapper_revision, "mapper")) if args.mapper else family.mapper_path()
+    target = resolve_model(args.target, args.target_revision) if args.target else family.target_path()
+    from ..core.models import resolve_dtype
+    from ..serving.engine.config import check_map_ahead
+
+    preflight(ServeConfig(mapper=mapper, source=source, target=target))  # one line, before vLLM loads anything
+    check_map_ahead(mapper)
+    resolve_dtype(args.map_dtype, "cpu")  # a dtype name kvbridge knows
+    return StoreConfig(store=store.store, cap_bytes=store.cap_bytes, mapper=mapper, target=target,
+                       dtype=args.map_dtype, prewarm=store.prewarm)
+
+
+def _cmd_serve_source(args) -> int:
+    from .. import family
+    from ..core.models import resolve_model
+    from ..serving.launch import serve_source
+
+    if not args.storing and (args.prewarm or args.map_ahead or args.mapper or args.target or args.mapper_revision or
+                             args.target_revision or args.map_dtype != "auto"):
+        raise KVBridgeError("--no-store serves the source alone: map-ahead (--map-ahead, --mapper, --target and their "
+                            "options) and --prewarm need the store; drop one or the other.")
+    if args.lmcache and (not args.storing or args.prewarm or args.map_ahead or args.mapper or args.target):
+        raise KVBridgeError("--lmcache stores the source's K/V through vLLM's LMCacheMPConnector: --no-store, "
+                            "map-ahead (--map-ahead, --mapper, --target) and --prewarm need the store folder; drop "
+                            "one or the other.")
+    if args.source and (args.map_ahead or args.mapper or args.target) and not (args.mapper and args.target):
+        raise KVBridgeError("map-ahead with --source needs the mapper and its target: pass --mapper and --target.")
+    if args.source:
+        source = resolve_model(args.source, args.source_revision)
+        name = args.source if not Path(args.source).exists() else Path(args.source).name
+    else:
+        source, name = family.source_path(), "kvbridge-family-source"
+        if not any(a.split("=")[0] == "--chat-template" for a in args.vllm_args):
+            args.vllm_args += ["--chat-template", family.chat_template_path()]
+    with lmcache_server(args) as url:
+        return serve_source(_store_config(args, source) if args.storing and not url else None, source,
+                            args.served_model_name or name, args.host, args.port, args.vllm_args, lmcache=url)
+
+
+def _cascade_parser() -> argparse.ArgumentParser:
+    from ..serving.bench.cascade import default_store
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge cascade",
+        description="Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
+                    "(it stores its KV as it serves, and maps each stored block ahead into the target's K/V) and "
+                    "`kvbridge serve --store` for the target (it reads the stored blocks of a conversation escalated "
+                    "to it, and computes the new turn itself over them). With no pair, the "
+                    "embedded family and its shipped mapper. Stops both on Ctrl-C.",
+        epilog="Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
+               + EPILOG)
+    add_pair(p)
+    p.add_argument("--store", default=default_store(), help="the shared KV store (default: %(default)s)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0, help="the store's size cap (default: 2)")
+    p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
+                   help="the source engine stores its K/V only; the target maps them when a turn escalates "
+                        "(default: the source engine also maps each stored block ahead, in a background thread)")
+    add_prewarm(p)
+    add_native_rest(p)
+    add_store_memory(p)
+    add_lmcache(p, owner=True)
+    p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
+    p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
+    p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
+    return p
+
+
+def pair_argv(args, lmcache: str | None = None) -> tuple[list[str], list[str]]:
+    """``kvbridge serve-source`` and ``kvbridge serve --store`` arguments of a cascade's pair options (``lmcache``: an
+    LMCache server's URL both share instead of the store: no map-ahead, no prewarm)."""
+    store = ["--store", str(Path(args.store).resolve())] if not lmcache else ["--lmcache", lmcache]
+    source = store + (["--store-cap-gb", str(args.store_cap_gb)] if not lmcache else [])
+    target = list(store)
+    ahead = ("mapper", "mapper_revision", "target", "target_revision") \
+        if getattr(args, "map_ahead", False) and not lmcache else ()
+    for flag in ("source", "source_revision") + ahead:
+        if getattr(args, flag):
+            source += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if getattr(args, "prewarm", False) and not lmcache:
+        source.append("--prewarm")
+    if ahead:
+        source.append("--map-ahead")
+        if args.connector_dtype not in (None, "auto"):
+            source += ["--map-dtype", args.connector_dtype]
+    for flag in ("mapper", "mapper_revision", "source", "target", "source_revision", "target_revision", "hold_back",
+                 "recompute", "connector_device", "connector_dtype", "native_rest", "store_memory_gb"):
+        value = getattr(args, flag)
+        if value is not None and not (flag.startswith("connector_") and value == "auto"):
+            target += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.allow_revision_mismatch:
+        target.append("--allow-revision-mismatch")
+    return source, target
+
+
+def _cmd_cascade(args) -> int:
+    from ..serving.bench.cascade import launched_pair
+    from ..serving.launch import target_parallel
+
+    target_parallel(args.vllm_args)  # before anything starts: the target's connector would refuse it later
+    _store_config(args)
+    store_memory_bytes(args)  # (checked before anything starts)
+    if args.lmcache and args.prewarm:
+        raise KVBridgeError("--prewarm needs the store folder; with --lmcache drop it.")
+    with lmcache_server(args, args.log_dir) as url:
+        source_args, target_args = pair_argv(args, url)
+        log(f"starting the source server (port {args.source_port}) and the target server (port {args.port}); logs "
+            f"in {args.log_dir}/")
+        with launched_pair(source_args + ["--port", str(args.source_port)],
+                           target_args + ["--port", str(args.port)] + args.vllm_args, args.log_dir,
+                           together=bool(url)) as (source, target):  # (no store folder to create first)
+            _wait_cascade(source, target, url or Path(args.store).resolve())
+
+
+def _wait_cascade(source: str, target: str, store) -> None:
+    import time
+
+    print(f"source: {source}/v1   target: {target}/v1   store: {store}\n"
+          "a conversation's turns on the source are stored as it answers; send the escalated turn to the target "
+          "with kv_transfer_params {\"kvbridge\": \"mapped\"} (the same cache_salt, if any). Ctrl-C stops both.",
+          flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _cascade_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvbridge cascade-bench",
+        description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
+                    "then a third turn escalated to the target seven ways — native (the target re-prefills the "
+                    "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
+                    "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
+                    "turn mapped too (a native rest of 0), mapped at the switch "
+                    "(warm, blocks mapped ahead ignored), cold (mapped from a fresh source prefill) and prewarmed "
+                    "(warm, the conversation loaded into the target's prefix cache before the switch: its source "
+                    "request asks for it, kv_transfer_params kvbridge_prewarm; every other source request says "
+                    "false) — in a "
+                    "random order of each conversation's own, native sent again right after native (a hit in the "
+                    "target's own prefix cache: the ceiling of any transfer); median time to the first streamed "
+                    "token of each, and the escalated "
+                    "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
+                    "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
+                    "running ones (--source-url, --target-url). With --lmcache, an eighth way: a second pair whose "
+                    "source stores through LMCache and whose target reads from there.")
+    add_pair(p)
+    p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
+    p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
+    p.add_argument("--source-baseline", action="store_true",
+                   help="also start the source without a store (`kvbridge serve-source --no-store`, the storing "
+                        "server's block size) and send each source turn to both, in alternating order: what storing "
+                        "(and mapping ahead) costs the source's own requests, and whether their answers stay the same")
+    p.add_argument("--baseline-url", help="with --source-url: a running `kvbridge serve-source --no-store` server as "
+                                          "the baseline, started with the storing server's --block-size (implies "
+                                          "--source-baseline)")
+    p.add_argument("--histories", default="1024,2000", help="conversation lengths in tokens (default: 1024,2000)")
+    p.add_argument("--conversations", type=int, default=12, help="timed conversations per length (default: 12)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed conversations first (default: 2)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens of each escalated answer (default: 16)")
+    p.add_argument("--question-tokens", type=int, default=24,
+                   help="tokens of the escalated turn's new user message (default: 24)")
+    p.add_argument("--store", help="the store the started servers share (default: a new temporary folder)")
+    p.add_argument("--store-cap-gb", type=float, default=2.0, help="its size cap (default: 2)")
+    p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
+                   help="the started source server stores its K/V only, the target maps them on escalation "
+                        "(default: the source server maps each stored block ahead)")
+    add_native_rest(p)
+    add_store_memory(p)
+    add_lmcache(p, owner=True, bench=True)
+    p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
+    p.add_argument("--table", metavar="REPORT", help="no servers: print the tables of a saved report (a --json file of "
+                                                     "this command) with its per-conversation figures, and write them "
+                                                     "beside it as .md")
+    p.add_argument("--log-dir", default="kvbridge-cascade-logs",
+                   help="the started servers' logs (default: %(default)s)")
+    return p
+
+
+def _cascade_table_of(path: str) -> int:
+    import json
+
+    from ..core.outputs import write_text
+    from ..serving.bench.cascade import cascade_table, per_conversation
+
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        report["per_conversation"] = per_conversation(report)  # anew: a file from before a figure gets it too
+        table = cascade_table(report)
+    except OSError as exc:
+        raise KVBridgeError(f"--table: cannot read {path} ({exc.strerror or exc}).") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KVBridgeError(f"--table: {path} is not a report of this version of `kvbridge cascade-bench --json` "
+                            f"({type(exc).__name__}: {exc}).") from None
+    print(table)
+    write_text(str(Path(path).with_suffix(".md")), table + "\n")
+    return 0
+
+
+def _cmd_cascade_bench(args) -> int:
+    import tempfile
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from ..serving.bench.cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
+    from ..serving.launch import target_parallel
+
+    if args.table:
+        return _cascade_table_of(args.table)
+    target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
+    histories = counts(args.histories, minimum=256, flag="--histories")
+    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \
+            args.native_rest < 0:
+        raise KVBridgeError("--conversations, --new-tokens and --question-tokens must be >= 1, --warmup and "
+                            "--native-rest >= 0.")
+    if (args.source_url is None) != (args.target_url is None):
+        raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
+                            "neither to start them.")
+    if args.baseline_url and not args.source_url:
+        raise KVBridgeError("--baseline-url goes with --source-url and --target-url (running servers); to start one, "
+                            "pass --source-baseline.")
+    if args.source_baseline and args.source_url and not args.baseline_url:
+        raise KVBridgeError("--source-baseline starts its server beside the ones it starts; with --source-url, give a "
+                            "running `kvbridge serve-source --no-store` as --baseline-url.")
+    _check_lmcache_pair(args)
+    if args.json:
+        check_output_file(args.json, "--json")
+    require("openai", "serve", "kvbridge cascade-bench")
+    config, _, _ = pair_config(args)
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    say = lambda m: log(f"  {m}")  # noqa: E731
+
+    def measure(source_url, target_url, baseline_url=None, lmcache=None):
+        names = [_first_model(url) for url in (source_url, target_url)]
+        pair = (lmcache[0], _first_model(lmcache[0]), lmcache[1], _first_model(lmcache[1])) if lmcache else None
+        return run_cascade_bench(source_url, names[0], target_url, names[1], tokenizer, histories,
+                                 args.conversations, args.warmup, args.new_tokens, args.native_rest,
+                                 args.question_tokens, say, baseline_url,
+                                 _first_model(baseline_url) if baseline_url else None, pair)
+
+    try:
+        if args.source_url:
+            running = (args.lmcache_source_url.rstrip("/"), args.lmcache_target_url.rstrip("/")) \
+                if args.lmcache_source_url else None
+            report = measure(args.source_url.rstrip("/"), args.target_url.rstrip("/"),
+                             args.baseline_url.rstrip("/") if args.baseline_url else None, running)
+        else:
+            with tempfile.TemporaryDirectory(prefix="kvbridge-store-") as tmp:
+                args.store = args.store or tmp
+                _store_config(args)
+                store_memory_bytes(args)  # (checked before anything starts)
+                source_args, target_args = pair_argv(args)
+                also = " and the source without a store" if args.source_baseline else ""
+                log(f"starting the source and target servers{also} (logs in {args.log_dir}/)")
+                with launched_pair(source_args, target_args + args.vllm_args, args.log_dir) as urls, \
+                        _baseline(args) as baseline, _lmcache_pair(args) as lmcache:
+                    report = measure(*urls, baseline, lmcache)
+    except openai.OpenAIError as exc:
+        raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
+                            "--max-model-len, and their logs.") from None
+    report["device"] = _device()
+    report["command"] = "kvbridge cascade-bench " + " ".join(args.argv)
+    if args.lmcache:
+        report["lmcache"] = args.lmcache
+    print(f"\n{report['device']}; {args.conversations} conversations per length after {args.warmup} warm-ups; "
+          f"{args.new_tokens} tokens per escalated answer; median time to the first streamed token; the engine's "
+          f"own time for an 8-token prompt: {report['engine_floor_ms']:.1f} ms\n")
+    print(cascade_table(report))
+    if args.json:
+        write_cascade(report, args.json)
+    return 0
+
+
+def _check_lmcache_pair(args) -> None:
+    """cascade-bench's LMCache options, checked before anything starts."""
+    from ..serving.store.lmcache_store import normal_url
+
+    if (args.lmcache_source_url is None) != (args.lmcache_target_url is None):
+        raise KVBridgeError("give --lmcache-source-url and --lmcache-target-url together (a running `kvbridge "
+                            "serve-source --lmcache` and `kvbridge serve --lmcache` sharing an LMCache server).")
+    if args.lmcache_source_url and not args.source_url:
+        raise KVBridgeError("--lmcache-source-url and --lmcache-target-url go with --source-url and --target-url "
+                            "(running servers); to start an LMCache pair beside the started ones, pass --lmcache "
+                            "URL|auto.")
+    if args.lmcache and args.source_url:
+        raise KVBridgeError("--lmcache starts a second pair beside the servers this command starts; with --source-url, "
+                            "give a running LMCache pair as --lmcache-source-url and --lmcache-target-url.")
+    if args.lmcache and args.lmcache != "auto":
+        normal_url(args.lmcache)  # (InputError, in words: tcp://HOST:PORT)
+    if args.lmcache:
+        import importlib.util
+
+        if importlib.util.find_spec("lmcache") is None:
+            raise KVBridgeError("--lmcache needs the lmcache package (pip install lmcache==0.5.6, or kvbridge[serve]).")
+
+
+@contextlib.contextmanager
+def _lmcache_pair(args):
+    """With --lmcache: `kvbridge cascade --lmcache`'s pair (and, with auto, its LMCache server), logs in
+    ``LOG_DIR/lmcache/``, stopped when the block ends: yields (source URL, target URL); None without it."""
+    if not args.lmcache:
+        yield None
+        return
+    from ..serving.bench.cascade import launched_pair
+
+    logs = Path(args.log_dir) / "lmcache"
+    with lmcache_server(args, logs) as url:
+        source_args, target_args = pair_argv(args, url)
+        log(f"starting the LMCache pair (the source storing in {url}, the target reading it; logs in {logs}/)")
+        with launched_pair(source_args, target_args + args.vllm_args, logs, together=True) as urls:
+            yield urls
+
+
+@contextlib.contextmanager
+def _baseline(args):
+    """The source served without a store, with the storing server's block size (cascade-bench --source-baseline);
+    None without that option."""
+    if not args.source_baseline:
+        yield None
+        return
+    from ..serving.launch import launched
+    from ..serving.store.folder import STORE_FILE, KVStore
+
+    argv = ["--no-store"]
+    for flag in ("source", "source_revision"):
+        if getattr(args, flag):
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if (Path(args.store) / STORE_FILE).exists():
+        argv += ["--block-size", str(KVStore(args.store).block_tokens)]
+    with launched(argv, Path(args.log_dir) / "baseline.log", command="serve-source") as url:
+        yield url
+
+
+def _first_model(url: str) -> str:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            return json.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        raise KVBridgeError(f"{url}: no OpenAI-compatible /v1/models there; give the base URL of a kvbridge server "
+                            "(http://HOST:PORT).") from None
+
+
+def _device() -> str:
+    import platform
+
+    import torch
+
+    return (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+
+
+def _load_bench_parser() -> argparse.ArgumentParser:
+    from ..serving.bench.load import SETTLE_S, WAYS
+
+    p = argparse.ArgumentParser(
+        prog="kvbridge load-bench",
+        description="Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
+                    "serve` side by side (every option this command does not know goes to both), then replays one "
+                    "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
+                    "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; "
+                    "mapped-sync / mapped-async: cold transfer, the map inside or beside the engine's step; warm: "
+                    "escalated requests, each prompt served and stored earlier by a third server, `kvbridge "
+                    "serve-source --store` mapping ahead, which this command starts when the warm way runs), each "
+                    "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
+                    "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
+                    "prompt tokens the target computed, from vLLM's /metrics.")
+    p.add_argument("--rates", default="1,3", help="request rates, per second (default: 1,3)")
+    p.add_argument("--requests", type=int, default=40, help="requests per rate and way (default: 40)")
+    p.add_argument("--unloaded", type=int, default=8,
+                   help="the trace's first requests sent one at a time per way: the unloaded figures (default: 8)")
+    p.add_argument("--lengths", default="256,2000", help="prompt lengths MIN,MAX in tokens, drawn uniformly "
+                                                         "(default: 256,2000)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
+    p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"which ways, of {', '.join(WAYS)} (default: all)")
+    p.add_argument("--warm-settle", type=float, default=SETTLE_S, metavar="S",
+                   help="the warm way: seconds between the source's maps ahead of the way's prompts done and the "
+                        "way's run, for the target's memory tier to load them, as it would between a conversation's "
+                        "source turns and its escalation (default: %(default)s)")
+    p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
+    p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
+                                                                "PREFIX-kvbridge.log and PREFIX-source.log (default: "
+                                                                "%(default)s)")
+    return p
+
+
+def _load_source_argv(rest: list[str], store: str) -> list[str]:
+    """``kvbridge serve-source`` arguments for load-bench's warm way: storing into ``store`` and mapping ahead with the
+    kvbridge server's own pair and mapper (those of its flags in ``rest``), at its engine sizes."""
+    from ..serving.launch import flag_value
+
+    argv = ["--store", store, "--map-ahead", "--served-model-name", "load-source"]
+    for flag in ("--source", "--source-revision", "--mapper", "--mapper-revision", "--target", "--target-revision",
+                 "--max-model-len", "--max-num-seqs", "--block-size", "--gpu-memory-utilization"):
+        value = flag_value(rest, flag)
+        if value is not None:
+            argv += [flag, value]
+    dtype = flag_value(rest, "--connector-dtype")  # the target reads entries mapped in its connector's dtype only
+    if dtype not in (None, "auto"):
+        argv += ["--map-dtype", dtype]
+    return argv
+
+
+def _cmd_load_bench(args) -> int:
+    import asyncio
+    import json
+    import os
+    import platform
+    import sys
+    from datetime import datetime, timezone
+
+    from transformers import AutoTokenizer
+
+    from .. import family
+    from ..core.models import resolve_model
+    from ..core.outputs import write_text
+    from ..measure.suite import _commit
+    from ..serving.bench.load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
+    from ..serving.bench.ttft import heldout_stream
+    from ..serving.launch import flag_value, given_flags, launched_together
+
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (0 < r < 1e6) for r in rates):
+        raise KVBridgeError(f"--rates must be comma-separated positive request rates, e.g. 1,3, not {args.rates!r}.")
+    lengths = counts(args.lengths, minimum=2, flag="--lengths")
+    if len(lengths) != 2 or lengths[0] > lengths[1]:
+        raise KVBridgeError(f"--lengths must be MIN,MAX with MIN <= MAX, e.g. 256,2000, not {args.lengths!r}.")
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if not ways or set(ways) - set(WAYS) or len(set(ways)) != len(ways):
+        raise KVBridgeError(f"--ways must be distinct names of {', '.join(WAYS)}, not {args.ways!r}.")
+    if not 0 <= args.warm_settle <= 3600:
+        raise KVBridgeError(f"--warm-settle must be between 0 and 3600 seconds, not {args.warm_settle}.")
+    if args.requests < 2 or args.unloaded < 2 or args.new_tokens < 1:
+        raise KVBridgeError("--requests and --unloaded must be at least 2, --new-tokens at least 1.")
+    if args.json:
+        check_output_file(args.json, "--json")
+    require("openai", "serve", "kvbridge load-bench")
+    rest = list(args.serve_args)
+    if {"--port", "--served-model-name", "--plain"} & given_flags(rest):
+        raise KVBridgeError("kvbridge load-bench picks the servers' ports and names itself; drop --port, "
+                            "--served-model-name and --plain.")
+    if "warm" in ways and {"--store", "--lmcache"} & given_flags(rest):
+        raise KVBridgeError("the warm way stores into a folder of its own, which load-bench creates and removes; "
+                            "drop --store and --lmcache.")
+    target = flag_value(rest, "--target")
+    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    stream = heldout_stream(tokenizer)
+    traces = {rate: poisson_trace(rate, args.requests, (lengths[0], lengths[1]), args.seed, len(stream))
+              for rate in rates}
+    unloaded = traces[rates[0]][:args.unloaded]
+    servers = {"plain": ["--plain"]} if "plain" in ways else {}
+    if set(ways) - {"plain"}:
+        servers["kvbridge"] = []
+    say = lambda m: log(f"  {m}")  # noqa: E731
+    run_id = os.urandom(4).hex()
+    import openai
+
+    with contextlib.ExitStack() as stack:
+        started, store = [], None  # (kvbridge arguments, log, command), all started at once
+        if "warm" in ways:  # the kvbridge server reads the store the source creates (once it exists: lazily)
+            import shutil
+            import tempfile
+
+            store = tempfile.mkdtemp(prefix="kvbridge-load-store-")
+            stack.callback(shutil.rmtree, store, True)
+            servers["kvbridge"] = ["--store", store]
+            started.append((_load_source_argv(rest, store), f"{args.log}-source.log", "serve-source"))
+        started += [([*extra, *rest, "--served-model-name", f"load-{name}"], f"{args.log}-{name}.log", "serve")
+                    for name, extra in servers.items()]
+        for argv, path, command in started:
+            log(f"starting kvbridge {command} {' '.join(argv)} (log: {path})")
+        started_urls = stack.enter_context(launched_together(started, timeout_s=900))
+        source = (started_urls[0], "load-source") if "warm" in ways else None
+        urls = dict(zip(servers, started_urls[1:] if source else started_urls))
+        by_way = {w: urls["plain" if w == "plain" else "kvbridge"] for w in ways}
+        models = {w: f"load-{'plain' if w == 'plain' else 'kvbridge'}" for w in ways}
+        try:
+            results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
+                                           tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
+                                           store=store, settle_s=args.warm_settle))
+        except openai.OpenAIError as exc:
+            raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "
+                                f"--max-model-len, and the logs {args.log}-*.log.") from None
+    import torch
+    import vllm
+
+    report = {"command": "kvbridge load-bench " + " ".join(args.argv), "argv": sys.argv, "commit": _commit(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                          "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                          "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
+                          "device": _device()},
+              "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
+              "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
+              "warm_settle_s": args.warm_settle if "warm" in ways else None,
+              "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
+              "results": to_dict(results)}
+    report["load"] = loaded_ratios(report)
+    table = load_table(report)
+    print(f"\n{report['machine']['device']}; {args.requests} requests per rate and way, prompts "
+          f"{lengths[0]}–{lengths[1]} tokens, {args.new_tokens} new tokens each; commit {report['commit']}\n")
+    print(table)
+    for line in report["load"]:
+        print(line)
+    if args.json:
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        header = (f"`{report['command']}` — commit {report['commit']}, {report['date']}, {report['machine']['device']}"
+                  f", vLLM {report['machine']['vllm']}\n\n")
+        write_text(str(Path(args.json).with_suffix(".md")),
+                   header + table + "\n\n" + "\n".join(f"- {x}" for x in report["load"]) + "\n")
+    return 0
+
+
+# what `kvbridge --help` lists for each (their own --help has the options)
+SUMMARIES = {
+    "serve": "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
+    "serve-source": "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
+    "cascade": "a source server and a target server that reads the source's stored KV when a conversation escalates",
+    "serve-bench": "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
+    "cascade-bench": "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
+    "load-bench": "serving under load: one Poisson trace against plain vLLM and kvbridge",
+    "serve-eval": "the family tasks' retention through vLLM next to Bridge's",
+}
+PASSTHROUGH = {"serve": "vllm_args", "serve-source": "vllm_args", "cascade": "vllm_args", "serve-bench": "serve_args",
+               "cascade-bench": "vllm_args", "load-bench": "serve_args"}
+PARSERS = {"serve": _serve_parser, "serve-source": _serve_source_parser, "cascade": _cascade_parser,
+           "serve-bench": _serve_bench_parser, "cascade-bench": _cascade_bench_parser,
+           "serve-eval": _serve_eval_parser, "load-bench": _load_bench_parser}
+COMMANDS = {"serve": _cmd_serve, "serve-source": _cmd_serve_source, "cascade": _cmd_cascade,
+            "serve-bench": _cmd_serve_bench, "cascade-bench": _cmd_cascade_bench, "serve-eval": _cmd_serve_eval,
+            "load-bench": _cmd_load_bench}
+
+
+def parse(command: str, argv: list[str]) -> argparse.Namespace:
+    """``command``'s arguments: its own options, and (where it passes them on) the rest for vLLM or the server."""
+    parser = PARSERS[command]()
+    if command in PASSTHROUGH:
+        args, rest = parser.parse_known_args(argv)
+        setattr(args, PASSTHROUGH[command], rest)
+    else:
+        args = parser.parse_args(argv)
+    args.command, args.argv = command, list(argv)
+    return args

@@ -1,0 +1,1 @@
+"""Benchmarks through running servers: time to first token (:mod:`.ttft`), cascades, load, quality, LMCache reads."""
