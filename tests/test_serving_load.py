@@ -236,6 +236,43 @@ def test_the_prewarm_ways_run_the_source_turn_under_load_then_the_escalated_requ
     assert all(r.prompt_tokens == sum(a.length for a in (trace if r.rate else trace[:2])) for r in results)
 
 
+def test_the_ab_way_alternates_arrivals_between_plain_and_native_at_once(monkeypatch):
+    """ab: arrival i goes to plain vLLM (even i, no kvbridge parameters) or kvbridge native (odd i) on one clock;
+    each half is a result of its own, its server's counters waited for with its own request count."""
+    import asyncio
+
+    from kvbridge.serving import load
+
+    calls = []
+
+    async def one(client, model, ids, params, salt, new_tokens):
+        calls.append((model, salt, params))
+        return {"ttft_ms": float(len(calls)), "e2e_ms": 2.0, "tokens": new_tokens, "sent_s": time.perf_counter(),
+                "prompt_tokens": len(ids)}
+
+    waited = []
+
+    async def settled(url, before, requests, counted, timeout_s=60.0):
+        waited.append((url, requests, counted))
+        return before
+
+    monkeypatch.setattr(load, "_one", one)
+    monkeypatch.setattr(load, "settled", settled)
+    monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
+    trace = poisson_trace(50.0, 5, (256, 512), 0, 10_000)
+    urls = {"ab:plain": "http://127.0.0.1:7", "ab:native": "http://127.0.0.1:9"}
+    results = asyncio.run(load.run_ways(urls, {"ab:plain": "plain", "ab:native": "kv"}, ["ab"], [50.0],
+                                        {50.0: trace}, trace[:2], list(range(10_000)), 1, 8, "run",
+                                        progress=lambda m: None))
+    assert [(r.way, r.rate, r.requests) for r in results] == [("ab:plain", None, 1), ("ab:native", None, 1),
+                                                              ("ab:plain", 50.0, 3), ("ab:native", 50.0, 2)]
+    for model, salt, params in calls:
+        index = int(salt.rsplit("-", 1)[1])
+        assert (model, params) == (("plain", None) if index % 2 == 0 else ("kv", {"kvbridge": "native"}))
+    assert waited[2:] == [(urls["ab:plain"], 3, False), (urls["ab:native"], 2, True)]
+    assert results[2].prompt_tokens == sum(a.length for a in trace[::2])
+
+
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
     from kvbridge.serving.commands import _load_source_argv
 

@@ -815,7 +815,8 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                     "serve-source --store` mapping ahead, which this command starts when the warm way runs; "
                     "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
                     "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
-                    "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would), each "
+                    "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
+                    "the trace's arrivals alternating between plain vLLM and kvbridge native, both at once), each "
                     "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
                     "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
                     "prompt tokens the target computed, from vLLM's /metrics.")
@@ -874,7 +875,18 @@ def _cmd_load_bench(args) -> int:
     from ..outputs import write_text
     from ..suite import _commit
     from .bench import heldout_stream
-    from .load import PLAIN_SERVER, SOURCED, WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
+    from .load import (
+        AB,
+        AB_SIDES,
+        PLAIN_SERVER,
+        SOURCED,
+        WAYS,
+        load_table,
+        loaded_ratios,
+        poisson_trace,
+        run_ways,
+        to_dict,
+    )
     from .server import flag_value, given_flags, launched_together
 
     try:
@@ -913,7 +925,7 @@ def _cmd_load_bench(args) -> int:
               for rate in rates}
     unloaded = traces[rates[0]][:args.unloaded]
     servers = {"plain": ["--plain"]} if set(ways) & set(PLAIN_SERVER) else {}
-    if set(ways) - set(PLAIN_SERVER):
+    if set(ways) - {"plain", "native-prewarm"}:
         servers["kvbridge"] = []
     sourced = bool(set(ways) & set(SOURCED))
     say = lambda m: log(f"  {m}")  # noqa: E731
@@ -938,8 +950,11 @@ def _cmd_load_bench(args) -> int:
         started_urls = stack.enter_context(launched_together(started, timeout_s=900))
         source = (started_urls[0], "load-source") if sourced else None
         urls = dict(zip(servers, started_urls[1:] if source else started_urls))
-        by_way = {w: urls["plain" if w in PLAIN_SERVER else "kvbridge"] for w in ways}
-        models = {w: f"load-{'plain' if w in PLAIN_SERVER else 'kvbridge'}" for w in ways}
+        served = {w: "plain" if w in PLAIN_SERVER else "kvbridge" for w in ways if w != AB}
+        if AB in ways:  # its two halves: plain vLLM and the kvbridge server's native route
+            served.update(zip(AB_SIDES, ("plain", "kvbridge")))
+        by_way = {w: urls[server] for w, server in served.items()}
+        models = {w: f"load-{server}" for w, server in served.items()}
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
                                            tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,

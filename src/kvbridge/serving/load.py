@@ -23,7 +23,10 @@ trace against each *way*:
 * ``native-prewarm``: what a router without kvbridge can do instead, on the plain server: at each arrival the same
   source turn (not stored: ``"kvbridge_store": false``), then the prompt sent to the target (one token) as soon as
   the source answered, so the escalated request, ``--prewarm-lead`` seconds after the arrival, finds it in the
-  target's prefix cache. The target computes every prompt token, ahead.
+  target's prefix cache. The target computes every prompt token, ahead;
+* ``ab``: plain and native at once, the trace's arrivals alternating between the plain server (``ab:plain``) and the
+  kvbridge server's native route (``ab:native``): each half meets the same machine at the same moments, so what the
+  kvbridge server costs traffic that does not use it is not hidden by the machine's drift between ways.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -53,7 +56,7 @@ from ..errors import KVBridgeError
 from .bench import parse_metrics
 from .config import PREWARM, USE_STORE
 
-WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm", "prewarm", "native-prewarm")
+WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm", "prewarm", "native-prewarm", "ab")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
           "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync", "kvbridge_store": False},
           "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async", "kvbridge_store": False},
@@ -63,7 +66,10 @@ WARM = "warm"  # the way whose prompts the source's server serves (and stores) f
 # the ways whose source turn runs under the load, before each escalated request: the source's parameters
 PREWARMED = {"prewarm": {PREWARM: True}, "native-prewarm": {PREWARM: False, USE_STORE: False}}
 SOURCED = (WARM, *PREWARMED)  # the ways that need the source's server
-PLAIN_SERVER = ("plain", "native-prewarm")  # the ways served by plain vLLM
+AB = "ab"  # plain vLLM and kvbridge native at once: the trace's arrivals alternate between the two servers
+AB_SIDES = ("ab:plain", "ab:native")  # its two halves, reported as ways of their own
+PARAMS.update({"ab:plain": None, "ab:native": {"kvbridge": "native"}})
+PLAIN_SERVER = ("plain", "native-prewarm", AB)  # the ways served by plain vLLM (the ab way: by both)
 LEAD_S = 2.0  # the prewarm ways: seconds from an arrival (the source's turn) to its escalated request
 QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
 QUIET_MAX_S = 300.0  # (waiting at most this long)
@@ -248,6 +254,30 @@ async def replay_prewarmed(clients: dict, way: str, trace: list[Arrival], stream
     return await asyncio.gather(*(timed(a) for a in trace))
 
 
+async def replay_ab(sides: list[tuple], trace: list[Arrival], stream: list[int], bos: int | None, salt: str,
+                    new_tokens: int, open_loop: bool = True) -> list[list[dict]]:
+    """The trace with its arrivals alternating between ``sides`` ((client, model, kv_transfer_params) each): arrival
+    ``i`` goes to side ``i % len(sides)``. Each side's rows, in the trace's order."""
+    out: list[list[dict]] = [[] for _ in sides]
+
+    async def one(a: Arrival, due: float | None) -> None:
+        client, model, params = sides[a.index % len(sides)]
+        if due is not None:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        row = await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
+        if due is not None:
+            row["late_ms"] = 1000 * (row["sent_s"] - due)
+        out[a.index % len(sides)].append((a.index, row))
+
+    if open_loop:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(a, t0 + a.at_s) for a in trace))
+    else:
+        for a in trace:
+            await one(a, None)
+    return [[row for _, row in sorted(side, key=lambda x: x[0])] for side in out]
+
+
 async def replay(client, model: str, trace: list[Arrival], stream: list[int], bos: int | None, params: dict | None,
                  salt: str, new_tokens: int, open_loop: bool = True) -> list[dict]:
     """The trace's requests, each sent at its arrival time (``open_loop``) or each after the last one finished."""
@@ -319,6 +349,62 @@ async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | 
             return
 
 
+@dataclass
+class _Run:
+    """What every way of one benchmark run shares."""
+
+    clients: dict
+    urls: dict[str, str]
+    models: dict[str, str]
+    stream: list[int]
+    bos: int | None
+    new_tokens: int
+    run_id: str
+    replicates: int
+    source: tuple[str, str] | None
+    store: str | None
+    settle_s: float
+    lead_s: float
+
+
+async def _run_way(run: _Run, way: str, rate: float | None, trace: list[Arrival]) -> list[WayResult]:
+    """One way's run of ``trace`` (open-loop at ``rate``; one request at a time when None), measured from its
+    server's counters before and after; the ab way gives one result per server."""
+    salt = f"load-{run.run_id}-{way}-{rate or 0}"
+    open_loop = rate is not None
+    if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
+        await replay(run.clients[run.source[0]], run.source[1], trace, run.stream, run.bos, None, salt, 1,
+                     open_loop=False)
+        await quiet(run.store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
+        await asyncio.sleep(run.settle_s)
+    names = list(AB_SIDES) if way == AB else [way]
+    urls = [run.urls[n] for n in names]
+    before = [await asyncio.to_thread(scrape, u) for u in urls]
+    t0 = time.perf_counter()
+    if way == AB:
+        sides = [(run.clients[u], run.models[n], PARAMS[n]) for n, u in zip(names, urls)]
+        per_side = await replay_ab(sides, trace, run.stream, run.bos, salt, run.new_tokens, open_loop)
+    elif way in PREWARMED:
+        pair = {"source": (run.clients[run.source[0]], run.source[1]),
+                "target": (run.clients[urls[0]], run.models[way])}
+        per_side = [await replay_prewarmed(pair, way, trace, run.stream, run.bos, salt, run.new_tokens, run.lead_s,
+                                           open_loop)]
+    else:
+        per_side = [await replay(run.clients[urls[0]], run.models[way], trace, run.stream, run.bos, PARAMS[way],
+                                 salt, run.new_tokens, open_loop)]
+    wall = time.perf_counter() - t0
+    out = []
+    for name, url, rows, start in zip(names, urls, per_side, before):
+        # a prewarm way's target also served one prewarm request per arrival (kvbridge's: when it landed)
+        expected = 2 * len(rows) if way in PREWARMED else len(rows)
+        after = await settled(url, start, expected, counted=name not in PLAIN_SERVER + ("ab:plain",),
+                              timeout_s=30.0 if way == "prewarm" else 60.0)
+        out.append(way_result(name, rate, rows, wall, start, after, run.replicates))
+    if way in SOURCED:
+        await quiet(run.store)  # the source's maps ahead of this way done before the next way runs
+    return out
+
+
 async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str], rates: list[float],
                    traces: dict[float, list[Arrival]], unloaded: list[Arrival], stream: list[int], bos: int | None,
                    new_tokens: int, run_id: str, progress=print, replicates: int = 2000,
@@ -340,37 +426,16 @@ async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str]
     results = []
     try:
         plan = [(None, ways)] + [(rate, ways if i % 2 else ways[::-1]) for i, rate in enumerate(rates)]
+        run = _Run(clients, urls, models, stream, bos, new_tokens, run_id, replicates, source, store, settle_s,
+                   lead_s)
         for rate, order in plan:
             for way in order:
-                url = urls[way]
-                trace = unloaded if rate is None else traces[rate]
-                salt = f"load-{run_id}-{way}-{rate or 0}"
-                if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
-                    await replay(clients[source[0]], source[1], trace, stream, bos, None, salt, 1, open_loop=False)
-                    await quiet(store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
-                    await asyncio.sleep(settle_s)
-                before = await asyncio.to_thread(scrape, url)
-                t0 = time.perf_counter()
-                if way in PREWARMED:
-                    pair = {"source": (clients[source[0]], source[1]), "target": (clients[url], models[way])}
-                    rows = await replay_prewarmed(pair, way, trace, stream, bos, salt, new_tokens, lead_s,
-                                                  open_loop=rate is not None)
-                else:
-                    rows = await replay(clients[url], models[way], trace, stream, bos, PARAMS[way], salt, new_tokens,
-                                        open_loop=rate is not None)
-                wall = time.perf_counter() - t0
-                # a prewarm way's target also served one prewarm request per arrival (kvbridge's: when it landed)
-                expected = 2 * len(rows) if way in PREWARMED else len(rows)
-                after = await settled(url, before, expected, counted=way not in PLAIN_SERVER,
-                                      timeout_s=30.0 if way == "prewarm" else 60.0)
-                if way in SOURCED:
-                    await quiet(store)  # the source's maps ahead of this way done before the next way runs
-                result = way_result(way, rate, rows, wall, before, after, replicates)
-                results.append(result)
-                what = "unloaded" if rate is None else f"{rate:g} req/s"
-                progress(f"{what}, {way}: TTFT p50 {result.ttft_ms['p50']:.0f} ms, p90 {result.ttft_ms['p90']:.0f} "
-                         f"ms; {result.output_tokens_per_s:.1f} tokens/s; the engine computed "
-                         f"{100 * result.computed_share:.0f} % of the prompt tokens")
+                for result in await _run_way(run, way, rate, unloaded if rate is None else traces[rate]):
+                    results.append(result)
+                    what = "unloaded" if rate is None else f"{rate:g} req/s"
+                    progress(f"{what}, {result.way}: TTFT p50 {result.ttft_ms['p50']:.0f} ms, p90 "
+                             f"{result.ttft_ms['p90']:.0f} ms; {result.output_tokens_per_s:.1f} tokens/s; the engine "
+                             f"computed {100 * result.computed_share:.0f} % of the prompt tokens")
     finally:
         for client in clients.values():
             await client.close()
