@@ -181,3 +181,24 @@ def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
     assert asks({"kvbridge_prewarm": True}, False) and not asks({"kvbridge_prewarm": False}, True)
     assert asks(None, True) and asks({}, True) and not asks(None, False)
     assert not asks({"kvbridge_prewarm": "yes"}, True) and not asks({"kvbridge_prewarm": 1}, True)
+
+
+def test_a_source_request_can_stay_out_of_the_store():
+    """kv_transfer_params kvbridge_store false on a source request: the scheduler side never follows it (nothing
+    captured, nothing stored or mapped ahead); absent or true: followed; anything else: followed (logged)."""
+    import os
+    from types import SimpleNamespace
+
+    from conftest import vllm_ready
+
+    if vllm_ready() and not os.environ.get("CI"):
+        pytest.skip(vllm_ready())
+    from kvbridge.serving.engine.producer import KVBridgeSourceConnector
+
+    connector = SimpleNamespace(_requests={})
+    connector._wants_store = lambda request: KVBridgeSourceConnector._wants_store(connector, request)
+    for rid, params in (("a", None), ("b", {"kvbridge_store": True}), ("c", {"kvbridge_store": False}),
+                        ("d", {"kvbridge_store": "no"}), ("e", {"kvbridge_prewarm": False, "kvbridge_store": False})):
+        KVBridgeSourceConnector.update_state_after_alloc(
+            connector, SimpleNamespace(kv_transfer_params=params, request_id=rid), [], 0)
+    assert sorted(connector._requests) == ["a", "b", "d"]

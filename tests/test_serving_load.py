@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import pytest
 
@@ -159,7 +160,7 @@ def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_s
         calls.append((model, salt, new_tokens, open_loop, params))
         return [{"ttft_ms": 1.0, "e2e_ms": 2.0, "tokens": new_tokens} for _ in trace]
 
-    async def settled(url, before, requests, counted):
+    async def settled(url, before, requests, counted, timeout_s=60.0):
         return before
 
     monkeypatch.setattr(load, "replay", replay)
@@ -181,6 +182,95 @@ def test_the_warm_way_has_the_source_serve_each_prompt_first_under_the_targets_s
     assert sum(c[0] == "src" for c in calls) == 2
     assert load.PARAMS["mapped-sync"]["kvbridge_store"] is False and load.PARAMS["mapped-async"]["kvbridge_store"] \
         is False
+
+
+def test_the_prewarm_ways_run_the_source_turn_under_load_then_the_escalated_request(monkeypatch):
+    """prewarm: at each arrival the source's turn asks for prewarming, and the escalated (mapped) request follows
+    the lead later under the same salt; native-prewarm: the source's turn is not stored and the prompt goes to the
+    plain target (one token) before the escalated request. Only the escalated requests are measured; the target's
+    counters wait for its prewarm requests too; no source: refused."""
+    import asyncio
+
+    from kvbridge.serving.bench import load
+
+    calls = []
+
+    async def one(client, model, ids, params, salt, new_tokens):
+        calls.append((model, salt, new_tokens, params, time.perf_counter()))
+        return {"ttft_ms": 1.0, "e2e_ms": 2.0, "tokens": new_tokens, "sent_s": time.perf_counter(),
+                "prompt_tokens": len(ids)}
+
+    waited = []
+
+    async def settled(url, before, requests, counted, timeout_s=60.0):
+        waited.append((requests, counted))
+        return before
+
+    monkeypatch.setattr(load, "_one", one)
+    monkeypatch.setattr(load, "settled", settled)
+    monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
+    trace = poisson_trace(50.0, 3, (256, 512), 0, 10_000)
+    ways = ["prewarm", "native-prewarm"]
+    args = ({"prewarm": "http://127.0.0.1:9", "native-prewarm": "http://127.0.0.1:7"},
+            {"prewarm": "kv", "native-prewarm": "plain"}, ways, [50.0], {50.0: trace}, trace[:2],
+            list(range(10_000)), 1, 8, "run")
+    with pytest.raises(KVBridgeError, match="prewarm way needs the storing source"):
+        asyncio.run(load.run_ways(*args))
+    results = asyncio.run(load.run_ways(*args, progress=lambda m: None, source=("http://127.0.0.1:8", "src"),
+                                        lead_s=0.05))
+    assert [(r.way, r.rate, r.requests) for r in results] == [
+        ("prewarm", None, 2), ("native-prewarm", None, 2), ("native-prewarm", 50.0, 3), ("prewarm", 50.0, 3)]
+    assert [w[0] for w in waited] == [4, 4, 6, 6] and [w[1] for w in waited] == [True, False, False, True]
+    models = {"prewarm": "kv", "native-prewarm": "plain"}
+    salts = sorted({c[1] for c in calls})
+    assert len(salts) == 2 * (2 + 3)  # one per arrival and way
+    for salt in salts:
+        way = salt.removeprefix("load-run-").rsplit("-", 2)[0]
+        mine = [c for c in calls if c[1] == salt]
+        assert mine[0][:4] == ("src", salt, 1, load.PREWARMED[way])  # the source's turn first
+        if way == "native-prewarm":  # the router's re-send: one token to plain vLLM, no kvbridge parameters
+            assert mine[1][:4] == ("plain", salt, 1, None)
+        assert mine[-1][:4] == (models[way], salt, 8, load.PARAMS[way]) and len(mine) == 2 + (way == "native-prewarm")
+        assert mine[-1][4] - mine[0][4] >= 0.05 - 1e-3  # the escalated request waits out the lead
+    assert load.PREWARMED["native-prewarm"] == {"kvbridge_prewarm": False, "kvbridge_store": False}
+    assert all(r.prompt_tokens == sum(a.length for a in (trace if r.rate else trace[:2])) for r in results)
+
+
+def test_the_ab_way_alternates_arrivals_between_plain_and_native_at_once(monkeypatch):
+    """ab: arrival i goes to plain vLLM (even i, no kvbridge parameters) or kvbridge native (odd i) on one clock;
+    each half is a result of its own, its server's counters waited for with its own request count."""
+    import asyncio
+
+    from kvbridge.serving.bench import load
+
+    calls = []
+
+    async def one(client, model, ids, params, salt, new_tokens):
+        calls.append((model, salt, params))
+        return {"ttft_ms": float(len(calls)), "e2e_ms": 2.0, "tokens": new_tokens, "sent_s": time.perf_counter(),
+                "prompt_tokens": len(ids)}
+
+    waited = []
+
+    async def settled(url, before, requests, counted, timeout_s=60.0):
+        waited.append((url, requests, counted))
+        return before
+
+    monkeypatch.setattr(load, "_one", one)
+    monkeypatch.setattr(load, "settled", settled)
+    monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
+    trace = poisson_trace(50.0, 5, (256, 512), 0, 10_000)
+    urls = {"ab:plain": "http://127.0.0.1:7", "ab:native": "http://127.0.0.1:9"}
+    results = asyncio.run(load.run_ways(urls, {"ab:plain": "plain", "ab:native": "kv"}, ["ab"], [50.0],
+                                        {50.0: trace}, trace[:2], list(range(10_000)), 1, 8, "run",
+                                        progress=lambda m: None))
+    assert [(r.way, r.rate, r.requests) for r in results] == [("ab:plain", None, 1), ("ab:native", None, 1),
+                                                              ("ab:plain", 50.0, 3), ("ab:native", 50.0, 2)]
+    for model, salt, params in calls:
+        index = int(salt.rsplit("-", 1)[1])
+        assert (model, params) == (("plain", None) if index % 2 == 0 else ("kv", {"kvbridge": "native"}))
+    assert waited[2:] == [(urls["ab:plain"], 3, False), (urls["ab:native"], 2, True)]
+    assert results[2].prompt_tokens == sum(a.length for a in trace[::2])
 
 
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():

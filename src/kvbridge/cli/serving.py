@@ -802,7 +802,7 @@ def _device() -> str:
 
 
 def _load_bench_parser() -> argparse.ArgumentParser:
-    from ..serving.bench.load import SETTLE_S, WAYS
+    from ..serving.bench.load import LEAD_S, SETTLE_S, WAYS
 
     p = argparse.ArgumentParser(
         prog="kvbridge load-bench",
@@ -812,7 +812,11 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                     "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; "
                     "mapped-sync / mapped-async: cold transfer, the map inside or beside the engine's step; warm: "
                     "escalated requests, each prompt served and stored earlier by a third server, `kvbridge "
-                    "serve-source --store` mapping ahead, which this command starts when the warm way runs), each "
+                    "serve-source --store` mapping ahead, which this command starts when the warm way runs; "
+                    "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
+                    "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
+                    "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
+                    "the trace's arrivals alternating between plain vLLM and kvbridge native, both at once), each "
                     "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
                     "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
                     "prompt tokens the target computed, from vLLM's /metrics.")
@@ -829,6 +833,9 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                    help="the warm way: seconds between the source's maps ahead of the way's prompts done and the "
                         "way's run, for the target's memory tier to load them, as it would between a conversation's "
                         "source turns and its escalation (default: %(default)s)")
+    p.add_argument("--prewarm-lead", type=float, default=LEAD_S, metavar="S",
+                   help="the prewarm ways: seconds from an arrival (its source turn sent) to its escalated request "
+                        "(default: %(default)s)")
     p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
     p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
                                                                 "PREFIX-kvbridge.log and PREFIX-source.log (default: "
@@ -867,7 +874,18 @@ def _cmd_load_bench(args) -> int:
     from ..core.models import resolve_model
     from ..core.outputs import write_text
     from ..measure.suite import _commit
-    from ..serving.bench.load import WAYS, load_table, loaded_ratios, poisson_trace, run_ways, to_dict
+    from ..serving.bench.load import (
+        AB,
+        AB_SIDES,
+        PLAIN_SERVER,
+        SOURCED,
+        WAYS,
+        load_table,
+        loaded_ratios,
+        poisson_trace,
+        run_ways,
+        to_dict,
+    )
     from ..serving.bench.ttft import heldout_stream
     from ..serving.launch import flag_value, given_flags, launched_together
 
@@ -885,6 +903,8 @@ def _cmd_load_bench(args) -> int:
         raise KVBridgeError(f"--ways must be distinct names of {', '.join(WAYS)}, not {args.ways!r}.")
     if not 0 <= args.warm_settle <= 3600:
         raise KVBridgeError(f"--warm-settle must be between 0 and 3600 seconds, not {args.warm_settle}.")
+    if not 0 <= args.prewarm_lead <= 600:
+        raise KVBridgeError(f"--prewarm-lead must be between 0 and 600 seconds, not {args.prewarm_lead}.")
     if args.requests < 2 or args.unloaded < 2 or args.new_tokens < 1:
         raise KVBridgeError("--requests and --unloaded must be at least 2, --new-tokens at least 1.")
     if args.json:
@@ -894,9 +914,9 @@ def _cmd_load_bench(args) -> int:
     if {"--port", "--served-model-name", "--plain"} & given_flags(rest):
         raise KVBridgeError("kvbridge load-bench picks the servers' ports and names itself; drop --port, "
                             "--served-model-name and --plain.")
-    if "warm" in ways and {"--store", "--lmcache"} & given_flags(rest):
-        raise KVBridgeError("the warm way stores into a folder of its own, which load-bench creates and removes; "
-                            "drop --store and --lmcache.")
+    if set(ways) & set(SOURCED) and {"--store", "--lmcache"} & given_flags(rest):
+        raise KVBridgeError("the warm and prewarm ways store into a folder of their own, which load-bench creates and "
+                            "removes; drop --store and --lmcache.")
     target = flag_value(rest, "--target")
     target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -904,36 +924,41 @@ def _cmd_load_bench(args) -> int:
     traces = {rate: poisson_trace(rate, args.requests, (lengths[0], lengths[1]), args.seed, len(stream))
               for rate in rates}
     unloaded = traces[rates[0]][:args.unloaded]
-    servers = {"plain": ["--plain"]} if "plain" in ways else {}
-    if set(ways) - {"plain"}:
+    servers = {"plain": ["--plain"]} if set(ways) & set(PLAIN_SERVER) else {}
+    if set(ways) - {"plain", "native-prewarm"}:
         servers["kvbridge"] = []
+    sourced = bool(set(ways) & set(SOURCED))
     say = lambda m: log(f"  {m}")  # noqa: E731
     run_id = os.urandom(4).hex()
     import openai
 
     with contextlib.ExitStack() as stack:
         started, store = [], None  # (kvbridge arguments, log, command), all started at once
-        if "warm" in ways:  # the kvbridge server reads the store the source creates (once it exists: lazily)
+        if sourced:  # the kvbridge server reads the store the source creates (once it exists: lazily)
             import shutil
             import tempfile
 
             store = tempfile.mkdtemp(prefix="kvbridge-load-store-")
             stack.callback(shutil.rmtree, store, True)
-            servers["kvbridge"] = ["--store", store]
+            if "kvbridge" in servers:
+                servers["kvbridge"] = ["--store", store]
             started.append((_load_source_argv(rest, store), f"{args.log}-source.log", "serve-source"))
         started += [([*extra, *rest, "--served-model-name", f"load-{name}"], f"{args.log}-{name}.log", "serve")
                     for name, extra in servers.items()]
         for argv, path, command in started:
             log(f"starting kvbridge {command} {' '.join(argv)} (log: {path})")
         started_urls = stack.enter_context(launched_together(started, timeout_s=900))
-        source = (started_urls[0], "load-source") if "warm" in ways else None
+        source = (started_urls[0], "load-source") if sourced else None
         urls = dict(zip(servers, started_urls[1:] if source else started_urls))
-        by_way = {w: urls["plain" if w == "plain" else "kvbridge"] for w in ways}
-        models = {w: f"load-{'plain' if w == 'plain' else 'kvbridge'}" for w in ways}
+        served = {w: "plain" if w in PLAIN_SERVER else "kvbridge" for w in ways if w != AB}
+        if AB in ways:  # its two halves: plain vLLM and the kvbridge server's native route
+            served.update(zip(AB_SIDES, ("plain", "kvbridge")))
+        by_way = {w: urls[server] for w, server in served.items()}
+        models = {w: f"load-{server}" for w, server in served.items()}
         try:
             results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
                                            tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
-                                           store=store, settle_s=args.warm_settle))
+                                           store=store, settle_s=args.warm_settle, lead_s=args.prewarm_lead))
         except openai.OpenAIError as exc:
             raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "
@@ -950,6 +975,7 @@ def _cmd_load_bench(args) -> int:
               "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
               "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
               "warm_settle_s": args.warm_settle if "warm" in ways else None,
+              "prewarm_lead_s": args.prewarm_lead if {"prewarm", "native-prewarm"} & set(ways) else None,
               "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
               "results": to_dict(results)}
     report["load"] = loaded_ratios(report)

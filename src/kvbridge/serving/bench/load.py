@@ -15,7 +15,18 @@ trace against each *way*:
   prompt earlier — before the way's run, one at a time, with the target request's own cache salt — and stored its
   blocks and their mapped K/V; once the source's maps ahead are done (its store's journal quiet) the way's run
   starts, and the kvbridge server (``--store``, the same folder) reads those blocks from its memory tier, or its
-  folder, and computes the rest of the prompt. The cold ways above ask ``"kvbridge_store": false``.
+  folder, and computes the rest of the prompt. The cold ways above ask ``"kvbridge_store": false``;
+* ``prewarm``: escalated requests whose source turn runs *under the load*: at each arrival the source's server
+  serves the prompt (one token, ``"kvbridge_prewarm": true``), stores it and maps it ahead, and the kvbridge
+  server's prewarm thread loads it into the target's prefix cache (a one-token mapped request); the escalated
+  request follows ``--prewarm-lead`` seconds after the arrival, mapped;
+* ``native-prewarm``: what a router without kvbridge can do instead, on the plain server: at each arrival the same
+  source turn (not stored: ``"kvbridge_store": false``), then the prompt sent to the target (one token) as soon as
+  the source answered, so the escalated request, ``--prewarm-lead`` seconds after the arrival, finds it in the
+  target's prefix cache. The target computes every prompt token, ahead;
+* ``ab``: plain and native at once, the trace's arrivals alternating between the plain server (``ab:plain``) and the
+  kvbridge server's native route (``ab:native``): each half meets the same machine at the same moments, so what the
+  kvbridge server costs traffic that does not use it is not hidden by the machine's drift between ways.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -26,10 +37,11 @@ of the next); before the rates, each way's *unloaded* figures: the trace's first
 Per rate and way: TTFT (send to first streamed token) p50, p90 and p99 with 95 % bootstrap intervals, end-to-end
 latency (send to last token) the same, output throughput (generated tokens per second from the first send to the
 last token), and the target's prefill work from vLLM's own ``/metrics`` counters, read before and after the way's
-run: prompt tokens, of them computed by the engine (``vllm:prompt_tokens_by_source{source="local_compute"}``),
-found in its prefix cache (``local_cache_hit``) and loaded by the connector (``external_kv_transfer``); and the
-connector's outcomes and map time. The source's prefill inside the connector is not the target's work: the map
-time says what it cost.
+run (the prewarm ways' prewarm requests included): prompt tokens, of them computed by the engine
+(``vllm:prompt_tokens_by_source{source="local_compute"}``), found in its prefix cache (``local_cache_hit``) and
+loaded by the connector (``external_kv_transfer``); and the connector's outcomes and map time. The source's prefill
+inside the connector is not the target's work: the map time says what it cost. The share computed is of the trace's
+own prompt tokens (a prewarm way's target computes some of them in its prewarm requests).
 """
 
 from __future__ import annotations
@@ -41,14 +53,24 @@ import time
 from dataclasses import asdict, dataclass
 
 from ...errors import KVBridgeError
+from ..engine.config import PREWARM, USE_STORE
 from .ttft import parse_metrics
 
-WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm")
+WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm", "prewarm", "native-prewarm", "ab")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
           "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync", "kvbridge_store": False},
           "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async", "kvbridge_store": False},
-          "warm": {"kvbridge": "mapped", "kvbridge_load": "sync"}}
+          "warm": {"kvbridge": "mapped", "kvbridge_load": "sync"},
+          "prewarm": {"kvbridge": "mapped", "kvbridge_load": "sync"}, "native-prewarm": None}
 WARM = "warm"  # the way whose prompts the source's server serves (and stores) first
+# the ways whose source turn runs under the load, before each escalated request: the source's parameters
+PREWARMED = {"prewarm": {PREWARM: True}, "native-prewarm": {PREWARM: False, USE_STORE: False}}
+SOURCED = (WARM, *PREWARMED)  # the ways that need the source's server
+AB = "ab"  # plain vLLM and kvbridge native at once: the trace's arrivals alternate between the two servers
+AB_SIDES = ("ab:plain", "ab:native")  # its two halves, reported as ways of their own
+PARAMS.update({"ab:plain": None, "ab:native": {"kvbridge": "native"}})
+PLAIN_SERVER = ("plain", "native-prewarm", AB)  # the ways served by plain vLLM (the ab way: by both)
+LEAD_S = 2.0  # the prewarm ways: seconds from an arrival (the source's turn) to its escalated request
 QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
 QUIET_MAX_S = 300.0  # (waiting at most this long)
 SETTLE_S = 10.0  # ... then the target's memory tier loads what they announced (default of --warm-settle)
@@ -193,7 +215,67 @@ async def _one(client, model: str, ids: list[int], params: dict | None, salt: st
             tokens += 1
     end = time.perf_counter()
     return {"ttft_ms": 1000 * ((first or end) - start), "e2e_ms": 1000 * (end - start), "tokens": tokens,
-            "sent_s": start}
+            "sent_s": start, "prompt_tokens": len(ids)}
+
+
+async def _prewarmed(clients: dict, way: str, a: Arrival, ids: list[int], salt: str, lead_s: float, due: float,
+                     new_tokens: int) -> dict:
+    """One arrival of a prewarm way: the source's turn (one token), for ``native-prewarm`` then the prompt sent to
+    the target (one token) once the source answered, and at ``due + lead_s`` (perf_counter seconds) the escalated
+    request, measured."""
+    source, source_model = clients["source"]
+    target, target_model = clients["target"]
+    await _one(source, source_model, ids, PREWARMED[way], salt, 1)
+    if way == "native-prewarm":
+        await _one(target, target_model, ids, None, salt, 1)
+    await asyncio.sleep(max(0.0, due + lead_s - time.perf_counter()))
+    row = await _one(target, target_model, ids, PARAMS[way], salt, new_tokens)
+    row["late_ms"] = 1000 * (row["sent_s"] - due - lead_s)  # sent after its time: the turn before it ran over
+    return row
+
+
+async def replay_prewarmed(clients: dict, way: str, trace: list[Arrival], stream: list[int], bos: int | None,
+                           salt: str, new_tokens: int, lead_s: float, open_loop: bool = True) -> list[dict]:
+    """A prewarm way's trace: each arrival's source turn sent at its arrival time (``open_loop``; else one arrival
+    after the other), its escalated request ``lead_s`` seconds later (or later still, when the turn before it was
+    slower than that: ``late_ms``)."""
+    async def one(a: Arrival, due: float) -> dict:
+        return await _prewarmed(clients, way, a, prompt_ids(a, stream, bos), f"{salt}-{a.index}", lead_s, due,
+                                new_tokens)
+
+    if not open_loop:
+        return [await one(a, time.perf_counter()) for a in trace]
+    t0 = time.perf_counter()
+
+    async def timed(a: Arrival) -> dict:
+        await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
+        return await one(a, t0 + a.at_s)
+
+    return await asyncio.gather(*(timed(a) for a in trace))
+
+
+async def replay_ab(sides: list[tuple], trace: list[Arrival], stream: list[int], bos: int | None, salt: str,
+                    new_tokens: int, open_loop: bool = True) -> list[list[dict]]:
+    """The trace with its arrivals alternating between ``sides`` ((client, model, kv_transfer_params) each): arrival
+    ``i`` goes to side ``i % len(sides)``. Each side's rows, in the trace's order."""
+    out: list[list[dict]] = [[] for _ in sides]
+
+    async def one(a: Arrival, due: float | None) -> None:
+        client, model, params = sides[a.index % len(sides)]
+        if due is not None:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        row = await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
+        if due is not None:
+            row["late_ms"] = 1000 * (row["sent_s"] - due)
+        out[a.index % len(sides)].append((a.index, row))
+
+    if open_loop:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(a, t0 + a.at_s) for a in trace))
+    else:
+        for a in trace:
+            await one(a, None)
+    return [[row for _, row in sorted(side, key=lambda x: x[0])] for side in out]
 
 
 async def replay(client, model: str, trace: list[Arrival], stream: list[int], bos: int | None, params: dict | None,
@@ -207,7 +289,7 @@ async def replay(client, model: str, trace: list[Arrival], stream: list[int], bo
     async def timed(a: Arrival) -> dict:
         await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
         row = await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
-        row["late_ms"] = 1000 * (row.pop("sent_s") - t0 - a.at_s)  # how far behind its arrival it was sent
+        row["late_ms"] = 1000 * (row["sent_s"] - t0 - a.at_s)  # how far behind its arrival it was sent
         return row
 
     return await asyncio.gather(*(timed(a) for a in trace))
@@ -223,21 +305,22 @@ class WayResult:
     output_tokens_per_s: float
     wall_s: float
     counters: dict  # the engine's counters' deltas over the run
-    computed_share: float  # of the prompt tokens, the share the target's engine computed itself
+    computed_share: float  # of the trace's prompt tokens, the share the target's engine computed itself
     late_ms_max: float  # the latest any request was sent after its arrival (the client keeping up)
     ttft_by_request: list | None = None  # ms, in the trace's order (where the stalls fall)
+    prompt_tokens: int = 0  # the trace's (the measured requests')
 
 
 def way_result(way: str, rate: float | None, rows: list[dict], wall_s: float, before: dict, after: dict,
                replicates: int = 2000) -> WayResult:
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     tokens = sum(r["tokens"] for r in rows)
-    prompt = delta.get("prompt_tokens", 0.0)
+    prompt = sum(r.get("prompt_tokens", 0) for r in rows) or delta.get("prompt_tokens", 0.0)
     return WayResult(way, rate, len(rows), summary([r["ttft_ms"] for r in rows], replicates),
                      summary([r["e2e_ms"] for r in rows], replicates), tokens / wall_s if wall_s > 0 else 0.0,
                      wall_s, delta, delta.get("local_compute", 0.0) / prompt if prompt else float("nan"),
                      max((r.get("late_ms", 0.0) for r in rows), default=0.0),
-                     [round(r["ttft_ms"], 1) for r in rows])
+                     [round(r["ttft_ms"], 1) for r in rows], int(prompt))
 
 
 async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | None = None) -> None:
@@ -266,44 +349,93 @@ async def quiet(store: str | None, quiet_s: float | None = None, max_s: float | 
             return
 
 
+@dataclass
+class _Run:
+    """What every way of one benchmark run shares."""
+
+    clients: dict
+    urls: dict[str, str]
+    models: dict[str, str]
+    stream: list[int]
+    bos: int | None
+    new_tokens: int
+    run_id: str
+    replicates: int
+    source: tuple[str, str] | None
+    store: str | None
+    settle_s: float
+    lead_s: float
+
+
+async def _run_way(run: _Run, way: str, rate: float | None, trace: list[Arrival]) -> list[WayResult]:
+    """One way's run of ``trace`` (open-loop at ``rate``; one request at a time when None), measured from its
+    server's counters before and after; the ab way gives one result per server."""
+    salt = f"load-{run.run_id}-{way}-{rate or 0}"
+    open_loop = rate is not None
+    if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
+        await replay(run.clients[run.source[0]], run.source[1], trace, run.stream, run.bos, None, salt, 1,
+                     open_loop=False)
+        await quiet(run.store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
+        await asyncio.sleep(run.settle_s)
+    names = list(AB_SIDES) if way == AB else [way]
+    urls = [run.urls[n] for n in names]
+    before = [await asyncio.to_thread(scrape, u) for u in urls]
+    t0 = time.perf_counter()
+    if way == AB:
+        sides = [(run.clients[u], run.models[n], PARAMS[n]) for n, u in zip(names, urls)]
+        per_side = await replay_ab(sides, trace, run.stream, run.bos, salt, run.new_tokens, open_loop)
+    elif way in PREWARMED:
+        pair = {"source": (run.clients[run.source[0]], run.source[1]),
+                "target": (run.clients[urls[0]], run.models[way])}
+        per_side = [await replay_prewarmed(pair, way, trace, run.stream, run.bos, salt, run.new_tokens, run.lead_s,
+                                           open_loop)]
+    else:
+        per_side = [await replay(run.clients[urls[0]], run.models[way], trace, run.stream, run.bos, PARAMS[way],
+                                 salt, run.new_tokens, open_loop)]
+    wall = time.perf_counter() - t0
+    out = []
+    for name, url, rows, start in zip(names, urls, per_side, before):
+        # a prewarm way's target also served one prewarm request per arrival (kvbridge's: when it landed)
+        expected = 2 * len(rows) if way in PREWARMED else len(rows)
+        after = await settled(url, start, expected, counted=name not in PLAIN_SERVER + ("ab:plain",),
+                              timeout_s=30.0 if way == "prewarm" else 60.0)
+        out.append(way_result(name, rate, rows, wall, start, after, run.replicates))
+    if way in SOURCED:
+        await quiet(run.store)  # the source's maps ahead of this way done before the next way runs
+    return out
+
+
 async def run_ways(urls: dict[str, str], models: dict[str, str], ways: list[str], rates: list[float],
                    traces: dict[float, list[Arrival]], unloaded: list[Arrival], stream: list[int], bos: int | None,
                    new_tokens: int, run_id: str, progress=print, replicates: int = 2000,
                    source: tuple[str, str] | None = None, store: str | None = None,
-                   settle_s: float = SETTLE_S) -> list[WayResult]:
+                   settle_s: float = SETTLE_S, lead_s: float = LEAD_S) -> list[WayResult]:
     """Each way unloaded, then each rate's trace against each way, the ways' order alternating per rate.
-    ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first; ``store``:
-    its store's folder (the warm way's run waits until its maps ahead are done, then ``settle_s``)."""
+    ``source``: (URL, model) of the storing source's server, which serves the warm way's prompts first and the
+    prewarm ways' source turns; ``store``: its store's folder (the warm way's run waits until its maps ahead are
+    done, then ``settle_s``; every way using the source waits for them after its run); ``lead_s``: the prewarm
+    ways' seconds from a source turn to its escalated request."""
     from openai import AsyncOpenAI
 
-    if WARM in ways and source is None:
-        raise KVBridgeError("the warm way needs the storing source's server (kvbridge serve-source --store).")
+    needs_source = [w for w in ways if w in SOURCED]
+    if needs_source and source is None:
+        raise KVBridgeError(f"the {needs_source[0]} way needs the storing source's server (kvbridge serve-source "
+                            "--store).")
     clients = {u: AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0, timeout=1800)
                for u in set(urls.values()) | ({source[0]} if source else set())}
     results = []
     try:
         plan = [(None, ways)] + [(rate, ways if i % 2 else ways[::-1]) for i, rate in enumerate(rates)]
+        run = _Run(clients, urls, models, stream, bos, new_tokens, run_id, replicates, source, store, settle_s,
+                   lead_s)
         for rate, order in plan:
             for way in order:
-                url = urls[way]
-                trace = unloaded if rate is None else traces[rate]
-                salt = f"load-{run_id}-{way}-{rate or 0}"
-                if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
-                    await replay(clients[source[0]], source[1], trace, stream, bos, None, salt, 1, open_loop=False)
-                    await quiet(store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
-                    await asyncio.sleep(settle_s)
-                before = await asyncio.to_thread(scrape, url)
-                t0 = time.perf_counter()
-                rows = await replay(clients[url], models[way], trace, stream, bos, PARAMS[way], salt, new_tokens,
-                                    open_loop=rate is not None)
-                wall = time.perf_counter() - t0
-                after = await settled(url, before, len(rows), counted=way != "plain")
-                result = way_result(way, rate, rows, wall, before, after, replicates)
-                results.append(result)
-                what = "unloaded" if rate is None else f"{rate:g} req/s"
-                progress(f"{what}, {way}: TTFT p50 {result.ttft_ms['p50']:.0f} ms, p90 {result.ttft_ms['p90']:.0f} "
-                         f"ms; {result.output_tokens_per_s:.1f} tokens/s; the engine computed "
-                         f"{100 * result.computed_share:.0f} % of the prompt tokens")
+                for result in await _run_way(run, way, rate, unloaded if rate is None else traces[rate]):
+                    results.append(result)
+                    what = "unloaded" if rate is None else f"{rate:g} req/s"
+                    progress(f"{what}, {result.way}: TTFT p50 {result.ttft_ms['p50']:.0f} ms, p90 "
+                             f"{result.ttft_ms['p90']:.0f} ms; {result.output_tokens_per_s:.1f} tokens/s; the engine "
+                             f"computed {100 * result.computed_share:.0f} % of the prompt tokens")
     finally:
         for client in clients.values():
             await client.close()
@@ -318,19 +450,22 @@ def load_table(report: dict) -> str:
         return f"{s[f'p{q}']:.0f} [{lo:.0f}, {hi:.0f}]"
 
     lines = ["| Rate (req/s) | Way | n | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | E2E p50 ms | E2E p90 ms | "
-             "Output tok/s | Prompt tokens | Computed by the target | Mapped / fallback | Read from the store |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "Output tok/s | Prompt tokens | Computed by the target | Prefix-cache hits | Mapped / fallback | "
+             "Read from the store |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in report["results"]:
         c = r["counters"]
         rate = "unloaded" if r["rate"] is None else f"{r['rate']:g}"
         mapped = (f"{c.get('kvbridge_mapped', 0):.0f} / {c.get('kvbridge_fallback', 0):.0f}"
-                  if r["way"].startswith("mapped") or r["way"] == WARM else "")
+                  if r["way"].startswith("mapped") or r["way"] in (WARM, "prewarm") else "")
         stored = (f"{c.get('kvbridge_stored_tokens', 0):,.0f} ({c.get('kvbridge_hot_tokens', 0):,.0f} from memory)"
-                  if r["way"] == WARM else "")
+                  if r["way"] in (WARM, "prewarm") else "")
+        prompt = r.get("prompt_tokens") or c.get("prompt_tokens", 0)
         lines.append(f"| {rate} | {r['way']} | {r['requests']} | {cell(r['ttft_ms'], 50)} | {cell(r['ttft_ms'], 90)} "
                      f"| {cell(r['ttft_ms'], 99)} | {r['e2e_ms']['p50']:.0f} | {r['e2e_ms']['p90']:.0f} | "
-                     f"{r['output_tokens_per_s']:.1f} | {c.get('prompt_tokens', 0):,.0f} | "
-                     f"{c.get('local_compute', 0):,.0f} ({100 * r['computed_share']:.1f} %) | {mapped} | {stored} |")
+                     f"{r['output_tokens_per_s']:.1f} | {prompt:,.0f} | "
+                     f"{c.get('local_compute', 0):,.0f} ({100 * r['computed_share']:.1f} %) | "
+                     f"{c.get('local_cache_hit', 0):,.0f} | {mapped} | {stored} |")
     return "\n".join(lines)
 
 

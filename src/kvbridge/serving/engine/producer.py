@@ -41,7 +41,7 @@ from vllm.logger import init_logger
 
 from ...errors import UnsupportedModelError
 from ..store.folder import KVStore, chain_seed, folder_identity, map_identity, next_key
-from .config import PREWARM, StoreConfig
+from .config import PREWARM, USE_STORE, StoreConfig
 from .idle import StepClock, single_threaded
 
 logger = init_logger("vllm.kvbridge")
@@ -203,7 +203,19 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         return 0, False  # a producer loads nothing
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self._requests[request.request_id] = request
+        if self._wants_store(request):
+            self._requests[request.request_id] = request
+
+    def _wants_store(self, request) -> bool:
+        """Whether a request's K/V are stored: yes, unless its ``kv_transfer_params`` say ``"kvbridge_store": false``
+        (a client that knows the conversation will not move to the target saves the store's writes and maps)."""
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        asked = params.get(USE_STORE, True)
+        if not isinstance(asked, bool):
+            logger.warning("kvbridge source connector: request %s: kv_transfer_params %s must be true or false, not "
+                           "%r; stored", request.request_id, USE_STORE, asked)
+            return True
+        return asked
 
     def _parent(self, request, start: int) -> str:
         """The chain key before position ``start`` (a block boundary, every token before it known)."""
