@@ -236,9 +236,10 @@ def test_the_prewarm_ways_run_the_source_turn_under_load_then_the_escalated_requ
     assert all(r.prompt_tokens == sum(a.length for a in (trace if r.rate else trace[:2])) for r in results)
 
 
-def test_the_ab_way_alternates_arrivals_between_plain_and_native_at_once(monkeypatch):
-    """ab: arrival i goes to plain vLLM (even i, no kvbridge parameters) or kvbridge native (odd i) on one clock;
-    each half is a result of its own, its server's counters waited for with its own request count."""
+def test_the_ab_way_sends_every_arrival_to_plain_and_native_at_once(monkeypatch):
+    """ab: each arrival goes to plain vLLM (no kvbridge parameters) and to kvbridge native on one clock, the same
+    prompt and time for both; each server's rows are a result of their own, its counters waited for with its own
+    request count (only the kvbridge server counts connector outcomes)."""
     import asyncio
 
     from kvbridge.serving.bench import load
@@ -246,7 +247,7 @@ def test_the_ab_way_alternates_arrivals_between_plain_and_native_at_once(monkeyp
     calls = []
 
     async def one(client, model, ids, params, salt, new_tokens):
-        calls.append((model, salt, params))
+        calls.append((model, salt, params, len(ids), time.perf_counter()))
         return {"ttft_ms": float(len(calls)), "e2e_ms": 2.0, "tokens": new_tokens, "sent_s": time.perf_counter(),
                 "prompt_tokens": len(ids)}
 
@@ -264,13 +265,16 @@ def test_the_ab_way_alternates_arrivals_between_plain_and_native_at_once(monkeyp
     results = asyncio.run(load.run_ways(urls, {"ab:plain": "plain", "ab:native": "kv"}, ["ab"], [50.0],
                                         {50.0: trace}, trace[:2], list(range(10_000)), 1, 8, "run",
                                         progress=lambda m: None))
-    assert [(r.way, r.rate, r.requests) for r in results] == [("ab:plain", None, 1), ("ab:native", None, 1),
-                                                              ("ab:plain", 50.0, 3), ("ab:native", 50.0, 2)]
-    for model, salt, params in calls:
-        index = int(salt.rsplit("-", 1)[1])
-        assert (model, params) == (("plain", None) if index % 2 == 0 else ("kv", {"kvbridge": "native"}))
-    assert waited[2:] == [(urls["ab:plain"], 3, False), (urls["ab:native"], 2, True)]
-    assert results[2].prompt_tokens == sum(a.length for a in trace[::2])
+    assert [(r.way, r.rate, r.requests) for r in results] == [("ab:plain", None, 2), ("ab:native", None, 2),
+                                                              ("ab:plain", 50.0, 5), ("ab:native", 50.0, 5)]
+    by_salt = {}
+    for model, salt, params, length, at in calls:
+        by_salt.setdefault(salt, []).append((model, params, length, at))
+    for salt, sent in by_salt.items():  # both servers, the same prompt, within a moment of each other
+        assert sorted((m, str(p)) for m, p, _, _ in sent) == [("kv", str({"kvbridge": "native"})), ("plain", "None")]
+        assert sent[0][2] == sent[1][2] and abs(sent[0][3] - sent[1][3]) < 0.05
+    assert waited[2:] == [(urls["ab:plain"], 5, False), (urls["ab:native"], 5, True)]
+    assert results[2].prompt_tokens == results[3].prompt_tokens == sum(a.length for a in trace)
 
 
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():

@@ -816,7 +816,7 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                     "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
                     "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
                     "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
-                    "the trace's arrivals alternating between plain vLLM and kvbridge native, both at once), each "
+                    "every arrival sent to plain vLLM and to kvbridge native at once), each "
                     "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
                     "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
                     "prompt tokens the target computed, from vLLM's /metrics.")

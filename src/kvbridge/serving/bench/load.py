@@ -24,9 +24,10 @@ trace against each *way*:
   source turn (not stored: ``"kvbridge_store": false``), then the prompt sent to the target (one token) as soon as
   the source answered, so the escalated request, ``--prewarm-lead`` seconds after the arrival, finds it in the
   target's prefix cache. The target computes every prompt token, ahead;
-* ``ab``: plain and native at once, the trace's arrivals alternating between the plain server (``ab:plain``) and the
-  kvbridge server's native route (``ab:native``): each half meets the same machine at the same moments, so what the
-  kvbridge server costs traffic that does not use it is not hidden by the machine's drift between ways.
+* ``ab``: plain and native at once: every arrival sent both to the plain server (``ab:plain``) and to the kvbridge
+  server's native route (``ab:native``), so the two meet the same prompts on the same machine at the same moments,
+  and the machine's drift between ways can neither hide nor fake what the kvbridge server costs traffic that does
+  not use it (the machine carries twice the rate: halve ``--rates`` to compare with the other ways' load).
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -66,7 +67,7 @@ WARM = "warm"  # the way whose prompts the source's server serves (and stores) f
 # the ways whose source turn runs under the load, before each escalated request: the source's parameters
 PREWARMED = {"prewarm": {PREWARM: True}, "native-prewarm": {PREWARM: False, USE_STORE: False}}
 SOURCED = (WARM, *PREWARMED)  # the ways that need the source's server
-AB = "ab"  # plain vLLM and kvbridge native at once: the trace's arrivals alternate between the two servers
+AB = "ab"  # plain vLLM and kvbridge native at once: every arrival sent to both servers
 AB_SIDES = ("ab:plain", "ab:native")  # its two halves, reported as ways of their own
 PARAMS.update({"ab:plain": None, "ab:native": {"kvbridge": "native"}})
 PLAIN_SERVER = ("plain", "native-prewarm", AB)  # the ways served by plain vLLM (the ab way: by both)
@@ -256,26 +257,26 @@ async def replay_prewarmed(clients: dict, way: str, trace: list[Arrival], stream
 
 async def replay_ab(sides: list[tuple], trace: list[Arrival], stream: list[int], bos: int | None, salt: str,
                     new_tokens: int, open_loop: bool = True) -> list[list[dict]]:
-    """The trace with its arrivals alternating between ``sides`` ((client, model, kv_transfer_params) each): arrival
-    ``i`` goes to side ``i % len(sides)``. Each side's rows, in the trace's order."""
-    out: list[list[dict]] = [[] for _ in sides]
-
-    async def one(a: Arrival, due: float | None) -> None:
-        client, model, params = sides[a.index % len(sides)]
+    """The trace sent to every one of ``sides`` ((client, model, kv_transfer_params) each) at once: each arrival's
+    prompt to all of them at its arrival time (``open_loop``; else one arrival after the other). Each side's rows,
+    in the trace's order."""
+    async def one(a: Arrival, due: float | None) -> list[dict]:
         if due is not None:
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        row = await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
-        if due is not None:
-            row["late_ms"] = 1000 * (row["sent_s"] - due)
-        out[a.index % len(sides)].append((a.index, row))
+        ids = prompt_ids(a, stream, bos)
+        rows = await asyncio.gather(*(_one(client, model, ids, params, f"{salt}-{a.index}", new_tokens)
+                                      for client, model, params in sides))
+        for row in rows:
+            if due is not None:
+                row["late_ms"] = 1000 * (row["sent_s"] - due)
+        return list(rows)
 
     if open_loop:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(a, t0 + a.at_s) for a in trace))
+        per_arrival = await asyncio.gather(*(one(a, t0 + a.at_s) for a in trace))
     else:
-        for a in trace:
-            await one(a, None)
-    return [[row for _, row in sorted(side, key=lambda x: x[0])] for side in out]
+        per_arrival = [await one(a, None) for a in trace]
+    return [[rows[k] for rows in per_arrival] for k in range(len(sides))]
 
 
 async def replay(client, model: str, trace: list[Arrival], stream: list[int], bos: int | None, params: dict | None,
