@@ -9,7 +9,7 @@ from conftest import model_info
 from kvbridge import Mapper
 from kvbridge.cli import main
 from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, verify_artifact
-from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.mapper_config import MapperConfig
 from kvbridge.core.rope import RopeSpec
 from kvbridge.errors import ArtifactError
 

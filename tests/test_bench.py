@@ -8,7 +8,8 @@ import torch
 from conftest import model_info
 
 from kvbridge.cli import main
-from kvbridge.core.mapper import Mapper, MapperConfig
+from kvbridge.core.mapper import Mapper
+from kvbridge.core.mapper_config import MapperConfig
 from kvbridge.core.rope import RopeSpec
 from kvbridge.measure.bench import cache_prefill_flops, map_flops, path_flops, prefill_flops, recompute_flops
 

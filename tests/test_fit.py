@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import model_info
 
-from kvbridge.core.mapper import Mapper, MapperConfig, layer_features
+from kvbridge.core.mapper import Mapper, layer_features
+from kvbridge.core.mapper_config import MapperConfig
 from kvbridge.core.rope import RopeSpec, apply_rope, remove_rope
 from kvbridge.errors import FitError, InputError
 from kvbridge.fit import FitConfig, solve

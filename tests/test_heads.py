@@ -13,7 +13,8 @@ from conftest import TINY_FIT, mapped
 from kvbridge import Mapper
 from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
 from kvbridge.core.hashing import sha256_file
-from kvbridge.core.mapper import KINDS, MapperConfig, check_mapper
+from kvbridge.core.mapper import check_mapper
+from kvbridge.core.mapper_config import KINDS, MapperConfig
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.measure.bench import map_flops

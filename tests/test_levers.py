@@ -10,7 +10,7 @@ from conftest import model_info
 from kvbridge import Mapper
 from kvbridge.core.artifact import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE
 from kvbridge.core.hashing import sha256_file
-from kvbridge.core.mapper import Lever, MapperConfig
+from kvbridge.core.mapper_config import Lever, MapperConfig
 from kvbridge.core.rope import RopeSpec
 from kvbridge.errors import ArtifactError
 

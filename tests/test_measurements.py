@@ -9,7 +9,7 @@ import torch
 from conftest import build_tokenizer, ministral3_config, save_model
 
 from kvbridge import Mapper, family
-from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.mapper_config import MapperConfig
 from kvbridge.core.models import load_model
 from kvbridge.core.transfer import Bridge
 from kvbridge.errors import InputError, NumericalError

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_FIT
 
 from kvbridge import Mapper
-from kvbridge.core.mapper import MapperConfig
+from kvbridge.core.mapper_config import MapperConfig
 from kvbridge.core.models import cache_kv, prefill
 from kvbridge.core.transfer import Bridge
 from kvbridge.errors import ArtifactError, InputError

@@ -266,7 +266,7 @@ def test_the_recompute_window_is_a_runtime_option_older_artifacts_lack(pair, tmp
     assert config["runtime"]["recompute_window"] == 5
     plain = mapper.config.runtime.override(recompute_window=1).to_dict()
     assert "recompute_window" not in plain  # window 1 writes what releases before the window wrote
-    from kvbridge.core.mapper import RuntimeOptions
+    from kvbridge.core.mapper_config import RuntimeOptions
 
     assert RuntimeOptions.from_dict(plain).recompute_window == 1  # an artifact without the field: as before
 

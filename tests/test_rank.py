@@ -10,7 +10,8 @@ import torch
 from conftest import TINY_FIT, mapped
 
 from kvbridge import Mapper
-from kvbridge.core.mapper import KINDS, layer_features
+from kvbridge.core.mapper import layer_features
+from kvbridge.core.mapper_config import KINDS
 from kvbridge.errors import ArtifactError, InputError
 from kvbridge.fit import FitConfig, fit_mapper
 from kvbridge.measure.bench import map_flops
@@ -76,7 +77,7 @@ def test_a_fixed_rank_round_trips_and_older_formats_refuse_it(tiny_models, tmp_p
         assert torch.equal(a, b)
     half = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and layer_features(mapped(half, tiny_models[0], ids)[0]).dtype == torch.bfloat16
-    from kvbridge.core.mapper import MapperConfig
+    from kvbridge.core.mapper_config import MapperConfig
 
     old = dict(data, format_version=3)
     with pytest.raises(ArtifactError, match="version 4"):

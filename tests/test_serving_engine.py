@@ -220,7 +220,7 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
     """The connector's target: config and RoPE without recompute (the engine holds the weights; the mapped prefix
     above equals Bridge's with it), a transformers copy of the weights when chosen tokens are recomputed."""
     from kvbridge import family
-    from kvbridge.core.mapper import read_config
+    from kvbridge.core.mapper_config import read_config
     from kvbridge.core.models import RopeOnly
     from kvbridge.serving import ServeConfig
     from kvbridge.serving.engine.connector import target_copy

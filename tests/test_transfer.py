@@ -121,7 +121,7 @@ def test_revision_mismatch_needs_the_override(target):
 
 def test_chunked_map_equals_one_chunk(source, target):
     """Mapping in token chunks (bounded transient memory) builds the same cache as one big chunk."""
-    from kvbridge.core.mapper import MapperConfig
+    from kvbridge.core.mapper_config import MapperConfig
     from kvbridge.core.models import cache_kv
 
     g = torch.Generator().manual_seed(0)

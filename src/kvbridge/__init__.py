@@ -4,7 +4,8 @@ A small source model prefills the context, a closed-form linear mapper turns its
 cache of a larger target model of the same family, and the target continues without prefilling.
 """
 
-from .core.mapper import Mapper, MapperConfig  # noqa: E402
+from .core.mapper import Mapper
+from .core.mapper_config import MapperConfig
 from .core.models import load_model  # noqa: E402
 from .core.transfer import Bridge  # noqa: E402
 from .errors import (

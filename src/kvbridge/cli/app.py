@@ -958,7 +958,8 @@ def _cmd_lm_eval(args) -> int:
 
 def _cmd_inspect(args) -> int:
     from ..core.artifact import CONFIG_FILE, read_run_report, resolve
-    from ..core.mapper import check_mapper, read_config
+    from ..core.mapper import check_mapper
+    from ..core.mapper_config import read_config
 
     directory = resolve(args.mapper, args.revision)
     problems = check_mapper(directory)

@@ -2,7 +2,7 @@
 
 Validation runs on the raw JSON before any object is built, so a malformed field is one
 :class:`~kvbridge.errors.ArtifactError` that names it, never a TypeError from deep inside. The typed
-side of the format is :meth:`kvbridge.core.mapper.MapperConfig.to_dict` / ``from_dict``.
+side of the format is :meth:`kvbridge.core.mapper_config.MapperConfig.to_dict` / ``from_dict``.
 """
 
 from __future__ import annotations

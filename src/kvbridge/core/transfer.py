@@ -24,7 +24,8 @@ import torch
 from ..errors import CompatibilityError, InputError, NumericalError
 from .generation import Generation, generate_ids, generate_texts
 from .graphs import assumed_unpadded, capturing
-from .mapper import KINDS, Mapper, kv_features
+from .mapper import Mapper, kv_features
+from .mapper_config import KINDS
 from .models import (
     LoadedModel,
     cache_kv,

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..core.mapper import KINDS, MAX_LAG, Lever, Mapper, MapperConfig, RuntimeOptions, layer_features
+from ..core.mapper import Mapper, layer_features
+from ..core.mapper_config import KINDS, MAX_LAG, Lever, MapperConfig, RuntimeOptions
 from ..core.models import LoadedModel, prefill_content, source_hidden_size
 from ..core.recompute import CRITERIA, is_window
 from ..errors import InputError

@@ -2,7 +2,7 @@
 
 Letters: N observations, F_in features of one lever, Ft features of one target layer, H hidden units.
 
-A :class:`~kvbridge.core.mapper.Lever` on (kind, target layer) replaces that layer's plain features by
+A :class:`~kvbridge.core.mapper_config.Lever` on (kind, target layer) replaces that layer's plain features by
 its selected source layers' keys and/or values at tokens t, t − 1, … (see
 :func:`kvbridge.core.mapper.build_features`). Its linear part is solved in closed form like every other
 layer, from statistics of a second pass over the calibration sequences (the first pass's Gram
@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.mapper import Features, Lever, build_features, kv_features
+from ..core.mapper import build_features, kv_features
+from ..core.mapper_config import Features, Lever
 from ..core.models import LoadedModel, prefill_content
 from ..errors import FitError
 from .stats import KVStats, iter_batches
@@ -64,7 +65,7 @@ def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tens
 
 @torch.no_grad()
 def source_features(source: LoadedModel, ids: torch.Tensor, specs: dict) -> dict:
-    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.core.mapper.Features` for unpadded
+    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.core.mapper_config.Features` for unpadded
     sequences ``ids`` (B, T): the source's prefill, read as the mapper reads it."""
     reads_state = any("state" in spec.inputs for spec in specs.values())
     sk, sv, _, *state = prefill_content(source.model, ids, torch.ones_like(ids), state=reads_state)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.mapper import KINDS, layer_features
+from ..core.mapper import layer_features
+from ..core.mapper_config import KINDS
 from ..core.models import prefill_content
 from .stats import iter_batches
 

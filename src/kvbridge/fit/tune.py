@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..core.mapper import Features, Lever
+from ..core.mapper_config import Features, Lever
 from ..core.models import (
     LoadedModel,
     check_decoder_layers,

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.mapper import KINDS, Mapper, MapperConfig
+from ..core.mapper import Mapper
+from ..core.mapper_config import KINDS, MapperConfig
 from ..core.models import prefill
 from ..core.outputs import save_figure
 from ..core.recompute import reads_source_state, recompute_counts

@@ -68,7 +68,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
     every map reads the first that many source layers only (the source's prefill stops there)."""
     from dataclasses import replace
 
-    from ..core.mapper import MapperConfig
+    from ..core.mapper_config import MapperConfig
     from ..fit.closed_form import FitConfig
 
     all_layers = tuple(range(source_info.num_layers if source_depth is None else source_depth))
@@ -95,7 +95,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
         lever_layers = {v.layer for v in chosen}
         heads = {kind: tuple(1 if l in lever_layers else head_blocks for l in range(target_info.num_layers))
                  for kind in selection}
-    from ..core.mapper import RuntimeOptions
+    from ..core.mapper_config import RuntimeOptions
 
     runtime = RuntimeOptions()
     if levers:  # kvbridge fit's runtime defaults too: hold-back, selective recompute (a source-logit criterion)
@@ -108,7 +108,8 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
 def random_mapper(source, target, device, dtype, levers: bool = False, **fast):
     """Random weights at the published geometry (``levers``: at kvbridge fit's defaults, source layers included
     and its runtime options; ``fast``: :func:`published_config`'s top_k, rank_fraction, head_blocks, source_depth)."""
-    from ..core.mapper import Mapper, keeps_dtype
+    from ..core.mapper import Mapper
+    from ..core.mapper_config import keeps_dtype
     from ..core.models import source_hidden_size
     from ..fit.closed_form import FitConfig
 

@@ -115,7 +115,7 @@ def attention_probe(device: str, tokens: int = 8192) -> str:
 
 def map_breakdown(bridge, tokens: int = 16384) -> str:
     """Where a warm map's time goes at ``tokens`` (eager, each part timed alone on the same inputs)."""
-    from ..core.mapper import KINDS
+    from ..core.mapper_config import KINDS
     from ..core.models import positions_from_mask
     from ..core.rope import rope_factors, rotate_cast_
     from ..core.transfer import content_features, token_major

@@ -31,7 +31,8 @@ from ..core.artifact import (
 )
 from ..core.hashing import sha256_file
 from ..core.hub import is_hub_id
-from ..core.mapper import MapperConfig, read_config, require_verified
+from ..core.mapper import require_verified
+from ..core.mapper_config import MapperConfig, read_config
 from ..core.outputs import write_text
 from ..errors import InputError, KVBridgeError
 from ..version import __version__

@@ -50,7 +50,7 @@ def preflight(config: ServeConfig) -> dict[str, Any]:
     """Refuse a pair the mapper was not fitted for, or an artifact that does not verify; the effective runtime
     options (the mapper's, with the config's overrides) on success."""
     from ..core.artifact import verify_artifact
-    from ..core.mapper import read_config
+    from ..core.mapper_config import read_config
     from ..core.models import check_matches, check_same_tokenizer
 
     problems = verify_artifact(config.mapper)

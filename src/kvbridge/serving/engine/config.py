@@ -204,7 +204,7 @@ def check_map_ahead(mapper_dir: str) -> None:
     """Refuse map-ahead for a pair whose RoPE depends on the prompt's length (``dynamic``): a block is mapped before
     the prompt's end is known, so its keys would be un-rotated or rotated at other frequencies than the whole
     prompt's map uses."""
-    from ...core.mapper import read_config
+    from ...core.mapper_config import read_config
 
     config = read_config(mapper_dir)
     for role, info in (("source", config.source), ("target", config.target)):
@@ -226,7 +226,7 @@ def namespace(mapper_dir: str | Path, runtime: dict[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _namespace_of(mapper: str, runtime_json: str) -> str:
-    from ...core.mapper import read_config
+    from ...core.mapper_config import read_config
 
     runtime = read_config(mapper).runtime.override(**json.loads(runtime_json)).to_dict()
     return namespace(mapper, runtime)

@@ -251,7 +251,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        from ...core.mapper import read_config
+        from ...core.mapper_config import read_config
 
         self.config = ServeConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config or {})
         served = vllm_config.model_config.model
