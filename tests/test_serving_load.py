@@ -277,6 +277,42 @@ def test_the_ab_way_sends_every_arrival_to_plain_and_native_at_once(monkeypatch)
     assert results[2].prompt_tokens == results[3].prompt_tokens == sum(a.length for a in trace)
 
 
+def test_the_ab_warm_way_stores_first_then_pairs_plain_with_warm(monkeypatch):
+    """ab-warm: the source serves every prompt first (one token, closed loop, the target's salts), then each arrival
+    goes to plain vLLM and, mapped from the store, to the kvbridge server at once; without a source: refused."""
+    import asyncio
+
+    from kvbridge.serving.bench import load
+
+    calls = []
+
+    async def one(client, model, ids, params, salt, new_tokens):
+        calls.append((model, salt, params, new_tokens))
+        return {"ttft_ms": 1.0, "e2e_ms": 2.0, "tokens": new_tokens, "sent_s": time.perf_counter(),
+                "prompt_tokens": len(ids)}
+
+    async def settled(url, before, requests, counted, timeout_s=60.0):
+        return before
+
+    monkeypatch.setattr(load, "_one", one)
+    monkeypatch.setattr(load, "settled", settled)
+    monkeypatch.setattr(load, "scrape", lambda url: {"prompt_tokens": 0.0})
+    trace = poisson_trace(50.0, 3, (256, 512), 0, 10_000)
+    urls = {"ab-warm:plain": "http://127.0.0.1:7", "ab-warm:warm": "http://127.0.0.1:9"}
+    args = (urls, {"ab-warm:plain": "plain", "ab-warm:warm": "kv"}, ["ab-warm"], [50.0], {50.0: trace}, trace[:2],
+            list(range(10_000)), 1, 8, "run")
+    with pytest.raises(KVBridgeError, match="ab-warm way needs the storing source"):
+        asyncio.run(load.run_ways(*args))
+    results = asyncio.run(load.run_ways(*args, progress=lambda m: None, source=("http://127.0.0.1:8", "src"),
+                                        settle_s=0.0))
+    assert [(r.way, r.rate, r.requests) for r in results] == [
+        ("ab-warm:plain", None, 2), ("ab-warm:warm", None, 2), ("ab-warm:plain", 50.0, 3), ("ab-warm:warm", 50.0, 3)]
+    for salt in {c[1] for c in calls}:
+        mine = [c for c in calls if c[1] == salt]
+        assert mine[0] == ("src", salt, None, 1)  # stored first ...
+        assert sorted(mine[1:], key=lambda c: c[0]) == [("kv", salt, load.PARAMS["warm"], 8), ("plain", salt, None, 8)]
+
+
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
     from kvbridge.cli.serving import _load_source_argv
 

@@ -816,7 +816,8 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                     "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
                     "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
                     "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
-                    "every arrival sent to plain vLLM and to kvbridge native at once), each "
+                    "every arrival sent to plain vLLM and to kvbridge native at once; ab-warm: the same with warm), "
+                    "each "
                     "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
                     "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
                     "prompt tokens the target computed, from vLLM's /metrics.")
@@ -875,8 +876,7 @@ def _cmd_load_bench(args) -> int:
     from ..core.outputs import write_text
     from ..measure.suite import _commit
     from ..serving.bench.load import (
-        AB,
-        AB_SIDES,
+        PAIRED,
         PLAIN_SERVER,
         SOURCED,
         WAYS,
@@ -950,9 +950,9 @@ def _cmd_load_bench(args) -> int:
         started_urls = stack.enter_context(launched_together(started, timeout_s=900))
         source = (started_urls[0], "load-source") if sourced else None
         urls = dict(zip(servers, started_urls[1:] if source else started_urls))
-        served = {w: "plain" if w in PLAIN_SERVER else "kvbridge" for w in ways if w != AB}
-        if AB in ways:  # its two halves: plain vLLM and the kvbridge server's native route
-            served.update(zip(AB_SIDES, ("plain", "kvbridge")))
+        served = {w: "plain" if w in PLAIN_SERVER else "kvbridge" for w in ways if w not in PAIRED}
+        for way in set(ways) & set(PAIRED):  # its two halves: plain vLLM and the kvbridge server
+            served.update(zip(PAIRED[way], ("plain", "kvbridge")))
         by_way = {w: urls[server] for w, server in served.items()}
         models = {w: f"load-{server}" for w, server in served.items()}
         try:
@@ -974,7 +974,7 @@ def _cmd_load_bench(args) -> int:
                           "device": _device()},
               "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
               "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
-              "warm_settle_s": args.warm_settle if "warm" in ways else None,
+              "warm_settle_s": args.warm_settle if {"warm", "ab-warm"} & set(ways) else None,
               "prewarm_lead_s": args.prewarm_lead if {"prewarm", "native-prewarm"} & set(ways) else None,
               "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
               "results": to_dict(results)}

@@ -65,8 +65,8 @@ def attention_received(model, hidden: torch.Tensor, layer: int, keys: torch.Tens
 
 @torch.no_grad()
 def source_features(source: LoadedModel, ids: torch.Tensor, specs: dict) -> dict:
-    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.core.mapper_config.Features` for unpadded
-    sequences ``ids`` (B, T): the source's prefill, read as the mapper reads it."""
+    """(B, T, F_in) features of each lever key (kind, layer) → :class:`~kvbridge.core.mapper_config.Features` for
+    unpadded sequences ``ids`` (B, T): the source's prefill, read as the mapper reads it."""
     reads_state = any("state" in spec.inputs for spec in specs.values())
     sk, sv, _, *state = prefill_content(source.model, ids, torch.ones_like(ids), state=reads_state)
     kv = kv_features(sk, sv, dtype=torch.promote_types(sk[0].dtype, sv[0].dtype))  # (T, B, 2, Ls, Hs, Ds)

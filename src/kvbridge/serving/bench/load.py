@@ -27,7 +27,9 @@ trace against each *way*:
 * ``ab``: plain and native at once: every arrival sent both to the plain server (``ab:plain``) and to the kvbridge
   server's native route (``ab:native``), so the two meet the same prompts on the same machine at the same moments,
   and the machine's drift between ways can neither hide nor fake what the kvbridge server costs traffic that does
-  not use it (the machine carries twice the rate: halve ``--rates`` to compare with the other ways' load).
+  not use it (the machine carries twice the rate: halve ``--rates`` to compare with the other ways' load);
+* ``ab-warm``: the same for escalated requests: the warm way's source pass first, then every arrival sent to plain
+  vLLM (``ab-warm:plain``) and, mapped from the store, to the kvbridge server (``ab-warm:warm``) at once.
 
 A trace is open-loop: request ``i`` is sent at its arrival time whatever the server is doing (exponential gaps at
 the given rate, a fixed seed), its prompt a window of the family's held-out token stream of a length drawn
@@ -57,7 +59,7 @@ from ...errors import KVBridgeError
 from ..engine.config import PREWARM, USE_STORE
 from .ttft import parse_metrics
 
-WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm", "prewarm", "native-prewarm", "ab")
+WAYS = ("plain", "native", "mapped-sync", "mapped-async", "warm", "prewarm", "native-prewarm", "ab", "ab-warm")
 PARAMS = {"plain": None, "native": {"kvbridge": "native"},
           "mapped-sync": {"kvbridge": "mapped", "kvbridge_load": "sync", "kvbridge_store": False},
           "mapped-async": {"kvbridge": "mapped", "kvbridge_load": "async", "kvbridge_store": False},
@@ -66,11 +68,13 @@ PARAMS = {"plain": None, "native": {"kvbridge": "native"},
 WARM = "warm"  # the way whose prompts the source's server serves (and stores) first
 # the ways whose source turn runs under the load, before each escalated request: the source's parameters
 PREWARMED = {"prewarm": {PREWARM: True}, "native-prewarm": {PREWARM: False, USE_STORE: False}}
-SOURCED = (WARM, *PREWARMED)  # the ways that need the source's server
-AB = "ab"  # plain vLLM and kvbridge native at once: every arrival sent to both servers
-AB_SIDES = ("ab:plain", "ab:native")  # its two halves, reported as ways of their own
-PARAMS.update({"ab:plain": None, "ab:native": {"kvbridge": "native"}})
-PLAIN_SERVER = ("plain", "native-prewarm", AB)  # the ways served by plain vLLM (the ab way: by both)
+# the paired ways: every arrival sent to plain vLLM and to a way of the kvbridge server at once; their halves,
+# reported as ways of their own
+PAIRED = {"ab": ("ab:plain", "ab:native"), "ab-warm": ("ab-warm:plain", "ab-warm:warm")}
+PARAMS.update({"ab:plain": None, "ab:native": PARAMS["native"], "ab-warm:plain": None, "ab-warm:warm": PARAMS[WARM]})
+STORED_FIRST = (WARM, "ab-warm")  # the ways whose prompts the source serves and stores before the run
+SOURCED = (*STORED_FIRST, *PREWARMED)  # the ways that need the source's server
+PLAIN_SERVER = ("plain", "native-prewarm", *PAIRED)  # the ways served by plain vLLM (a paired way: by both)
 LEAD_S = 2.0  # the prewarm ways: seconds from an arrival (the source's turn) to its escalated request
 QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
 QUIET_MAX_S = 300.0  # (waiting at most this long)
@@ -370,19 +374,19 @@ class _Run:
 
 async def _run_way(run: _Run, way: str, rate: float | None, trace: list[Arrival]) -> list[WayResult]:
     """One way's run of ``trace`` (open-loop at ``rate``; one request at a time when None), measured from its
-    server's counters before and after; the ab way gives one result per server."""
+    server's counters before and after; a paired way gives one result per server."""
     salt = f"load-{run.run_id}-{way}-{rate or 0}"
     open_loop = rate is not None
-    if way == WARM:  # the conversations the source served earlier: stored (and mapped ahead) by now
+    if way in STORED_FIRST:  # the conversations the source served earlier: stored (and mapped ahead) by now
         await replay(run.clients[run.source[0]], run.source[1], trace, run.stream, run.bos, None, salt, 1,
                      open_loop=False)
         await quiet(run.store)  # (the source's map-ahead thread would otherwise share the CPU with the run)
         await asyncio.sleep(run.settle_s)
-    names = list(AB_SIDES) if way == AB else [way]
+    names = list(PAIRED.get(way, (way,)))
     urls = [run.urls[n] for n in names]
     before = [await asyncio.to_thread(scrape, u) for u in urls]
     t0 = time.perf_counter()
-    if way == AB:
+    if way in PAIRED:
         sides = [(run.clients[u], run.models[n], PARAMS[n]) for n, u in zip(names, urls)]
         per_side = await replay_ab(sides, trace, run.stream, run.bos, salt, run.new_tokens, open_loop)
     elif way in PREWARMED:
@@ -398,7 +402,7 @@ async def _run_way(run: _Run, way: str, rate: float | None, trace: list[Arrival]
     for name, url, rows, start in zip(names, urls, per_side, before):
         # a prewarm way's target also served one prewarm request per arrival (kvbridge's: when it landed)
         expected = 2 * len(rows) if way in PREWARMED else len(rows)
-        after = await settled(url, start, expected, counted=name not in PLAIN_SERVER + ("ab:plain",),
+        after = await settled(url, start, expected, counted=not (name in PLAIN_SERVER or name.endswith(":plain")),
                               timeout_s=30.0 if way == "prewarm" else 60.0)
         out.append(way_result(name, rate, rows, wall, start, after, run.replicates))
     if way in SOURCED:
@@ -458,9 +462,9 @@ def load_table(report: dict) -> str:
         c = r["counters"]
         rate = "unloaded" if r["rate"] is None else f"{r['rate']:g}"
         mapped = (f"{c.get('kvbridge_mapped', 0):.0f} / {c.get('kvbridge_fallback', 0):.0f}"
-                  if r["way"].startswith("mapped") or r["way"] in (WARM, "prewarm") else "")
+                  if r["way"].startswith("mapped") or r["way"] in (WARM, "prewarm", "ab-warm:warm") else "")
         stored = (f"{c.get('kvbridge_stored_tokens', 0):,.0f} ({c.get('kvbridge_hot_tokens', 0):,.0f} from memory)"
-                  if r["way"] in (WARM, "prewarm") else "")
+                  if r["way"] in (WARM, "prewarm", "ab-warm:warm") else "")
         prompt = r.get("prompt_tokens") or c.get("prompt_tokens", 0)
         lines.append(f"| {rate} | {r['way']} | {r['requests']} | {cell(r['ttft_ms'], 50)} | {cell(r['ttft_ms'], 90)} "
                      f"| {cell(r['ttft_ms'], 99)} | {r['e2e_ms']['p50']:.0f} | {r['e2e_ms']['p90']:.0f} | "
