@@ -275,6 +275,7 @@ def test_the_ab_way_sends_every_arrival_to_plain_and_native_at_once(monkeypatch)
         assert sent[0][2] == sent[1][2] and abs(sent[0][3] - sent[1][3]) < 0.05
     assert waited[2:] == [(urls["ab:plain"], 5, False), (urls["ab:native"], 5, True)]
     assert results[2].prompt_tokens == results[3].prompt_tokens == sum(a.length for a in trace)
+    assert all(r.wall_s > 0 for r in results)  # each half's throughput over its own span
 
 
 def test_the_ab_warm_way_stores_first_then_pairs_plain_with_warm(monkeypatch):

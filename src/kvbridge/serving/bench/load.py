@@ -404,7 +404,9 @@ async def _run_way(run: _Run, way: str, rate: float | None, trace: list[Arrival]
         expected = 2 * len(rows) if way in PREWARMED else len(rows)
         after = await settled(url, start, expected, counted=not (name in PLAIN_SERVER or name.endswith(":plain")),
                               timeout_s=30.0 if way == "prewarm" else 60.0)
-        out.append(way_result(name, rate, rows, wall, start, after, run.replicates))
+        # a paired way's halves share the run: each one's throughput runs to its own last token
+        side_wall = max(r["sent_s"] + r["e2e_ms"] / 1000 for r in rows) - t0 if way in PAIRED and rows else wall
+        out.append(way_result(name, rate, rows, side_wall, start, after, run.replicates))
     if way in SOURCED:
         await quiet(run.store)  # the source's maps ahead of this way done before the next way runs
     return out
