@@ -46,3 +46,17 @@ def test_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
         assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_journal_poll_backs_off_while_idle_and_returns_at_once_on_news():
+    """Backoff: the low wait after a read that found something, doubling after each empty read up to the high one;
+    bad bounds refused."""
+    import pytest
+
+    from kvbridge.serving.engine.idle import Backoff
+
+    b = Backoff(0.05, 0.5)
+    assert [b.next(False) for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+    assert b.next(True) == 0.05 and b.next(False) == 0.1
+    with pytest.raises(ValueError):
+        Backoff(0.5, 0.05)

@@ -56,3 +56,20 @@ class StepClock:
             if left <= 0 or (not in_step and now - mark >= IDLE_S):
                 return
             time.sleep(min(IDLE_S if in_step else max(IDLE_S - (now - mark), 0.002), left))
+
+
+class Backoff:
+    """A journal poll's waits: ``low`` seconds after a read that found something, doubling after each read that
+    found nothing, up to ``high``. An idle server reads its journals ``1 / high`` times a second, not ``1 / low``;
+    the first announcement after a quiet spell waits at most ``high``."""
+
+    def __init__(self, low: float, high: float):
+        if not 0 < low <= high:
+            raise ValueError(f"a backoff needs 0 < low <= high, not {low}, {high}")
+        self.low, self.high, self.wait_s = low, high, low
+
+    def next(self, found: bool) -> float:
+        """The wait before the next read, after one that ``found`` something or not."""
+        self.wait_s = self.low if found else min(self.high, 2 * self.wait_s)
+        return self.wait_s
+

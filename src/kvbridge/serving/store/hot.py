@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine.idle import StepClock, single_threaded
+from ..engine.idle import Backoff, StepClock, single_threaded
 from .folder import all_finite, mapped_suffix
 
-POLL_S = 0.05  # how often the journal is read
+POLL_S = 0.05  # how often the journal is read while it grows ...
+IDLE_POLL_S = 0.5  # ... and, backing off, while it does not
 DEFAULT_CAP = 1 << 30  # 1 GiB of mapped blocks in memory
 BATCH_LOG = 32  # a run of at least this many announced entries is logged with its load time
 
@@ -125,13 +126,18 @@ class HotEntries:
         single_threaded()
         cursor = None
         run: tuple[float | None, int] = (None, 0)  # (when a run of announcements began, self.loaded before it)
-        while not self._stop.wait(POLL_S):
+        backoff = Backoff(POLL_S, IDLE_POLL_S)
+        wait = POLL_S
+        while not self._stop.wait(wait):
+            wait = backoff.next(False)
             try:
                 self._jobs_now()
                 store = self.store()
                 if store is None:
                     continue
                 paths, cursor = store.announced(cursor)
+                if paths:
+                    wait = backoff.next(True)
                 since = time.monotonic()
                 batch = list(dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)))
                 before = self.loaded

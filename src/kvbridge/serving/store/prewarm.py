@@ -38,8 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..engine.config import PARAM
+from ..engine.idle import Backoff
 
-POLL_S = 0.05  # how often the journal is read
+POLL_S = 0.05  # how often the journal is read while it grows ...
+IDLE_POLL_S = 0.5  # ... and, backing off, while it does not (an escalation comes seconds after its source turn)
 MAX_AGE_S = 30.0  # an announcement older than this when read is skipped: the thread is behind, the turn moved on
 TIMEOUT_S = 120.0  # one prewarm request
 SEEN = 4096  # announcements remembered (each is sent once; a tail announced again, rewritten, is sent again)
@@ -96,12 +98,17 @@ class Prewarmer:
 
     def _run(self) -> None:
         cursor = None
-        while not self._stop.wait(POLL_S):
+        backoff = Backoff(POLL_S, IDLE_POLL_S)
+        wait = POLL_S
+        while not self._stop.wait(wait):
+            wait = backoff.next(False)
             try:
                 store = self.store()
                 if store is None or not self.ready():
                     continue
                 records, cursor = store.prewarms(cursor)
+                if records:
+                    wait = backoff.next(True)
             except Exception as exc:  # a hint: the switch loads what is not prewarmed
                 self._log("warning", "kvbridge prewarm: reading the journal failed (%s)", exc)
                 continue
