@@ -802,7 +802,7 @@ def _device() -> str:
 
 
 def _load_bench_parser() -> argparse.ArgumentParser:
-    from ..serving.bench.load import LEAD_S, SETTLE_S, WAYS
+    from ..serving.bench.load import DEFAULT_WAYS, LEAD_S, SETTLE_S, WAYS
 
     p = argparse.ArgumentParser(
         prog="kvbridge load-bench",
@@ -812,7 +812,7 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                     "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; "
                     "mapped-sync / mapped-async: cold transfer, the map inside or beside the engine's step; warm: "
                     "escalated requests, each prompt served and stored earlier by a third server, `kvbridge "
-                    "serve-source --store` mapping ahead, which this command starts when the warm way runs; "
+                    "serve-source --store` mapping ahead, which this command starts when a way needs it; "
                     "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
                     "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
                     "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
@@ -829,11 +829,12 @@ def _load_bench_parser() -> argparse.ArgumentParser:
                                                          "(default: 256,2000)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
-    p.add_argument("--ways", default=",".join(WAYS), help=f"which ways, of {', '.join(WAYS)} (default: all)")
+    p.add_argument("--ways", default=",".join(DEFAULT_WAYS),
+                   help=f"which ways, of {', '.join(WAYS)} (default: {','.join(DEFAULT_WAYS)})")
     p.add_argument("--warm-settle", type=float, default=SETTLE_S, metavar="S",
-                   help="the warm way: seconds between the source's maps ahead of the way's prompts done and the "
-                        "way's run, for the target's memory tier to load them, as it would between a conversation's "
-                        "source turns and its escalation (default: %(default)s)")
+                   help="the warm and ab-warm ways: seconds between the source's maps ahead of the way's prompts "
+                        "done and the way's run, for the target's memory tier to load them, as it would between a "
+                        "conversation's source turns and its escalation (default: %(default)s)")
     p.add_argument("--prewarm-lead", type=float, default=LEAD_S, metavar="S",
                    help="the prewarm ways: seconds from an arrival (its source turn sent) to its escalated request "
                         "(default: %(default)s)")
@@ -845,7 +846,8 @@ def _load_bench_parser() -> argparse.ArgumentParser:
 
 
 def _load_source_argv(rest: list[str], store: str) -> list[str]:
-    """``kvbridge serve-source`` arguments for load-bench's warm way: storing into ``store`` and mapping ahead with the
+    """``kvbridge serve-source`` arguments for load-bench's ways that need the source (warm, ab-warm, prewarm,
+    native-prewarm): storing into ``store`` and mapping ahead with the
     kvbridge server's own pair and mapper (those of its flags in ``rest``), at its engine sizes."""
     from ..serving.launch import flag_value
 

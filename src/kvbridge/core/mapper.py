@@ -10,11 +10,11 @@ For every target layer ``l`` and for keys and values separately::
           [then, per lag, the source's final hidden state h(t − j), when a lever reads "state"]  # + (J·Hs)
     y_l = x_l @ W_l + b_l  [+ GELU(x_l @ W1_l + b1_l) @ W2_l + b2_l]                        # (B, T, Ft)
 
-A plain layer (version-1 maps) reads lag 0 of its own kind only: ``x_l`` = the selected source
-layers' keys (for keys) or values (for values) at the same token. A :class:`Lever` widens one
+A plain layer (version-1 maps) reads lag 0 of its own kind only: ``x_l`` = the selected source layers' keys
+(for keys) or values (for values) at the same token. A :class:`~kvbridge.core.mapper_config.Lever` widens one
 target layer's features with neighbouring tokens (``lags``), with the other cache and the source's final
-hidden state (``inputs``: the residual stream after its last layer, which no cache holds), and adds a
-residual MLP (``hidden``). Lagged features before a sequence's first token are zeros.
+hidden state (``inputs``: the residual stream after its last layer, which no cache holds), and adds a residual
+MLP (``hidden``). Lagged features before a sequence's first token are zeros.
 
 Target layers that read the same features and have no MLP share one GEMM: their weights are
 concatenated along the output dimension once, when the mapper is built, so the published artifact's top_k =

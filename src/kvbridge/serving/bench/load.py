@@ -75,6 +75,7 @@ PARAMS.update({"ab:plain": None, "ab:native": PARAMS["native"], "ab-warm:plain":
 STORED_FIRST = (WARM, "ab-warm")  # the ways whose prompts the source serves and stores before the run
 SOURCED = (*STORED_FIRST, *PREWARMED)  # the ways that need the source's server
 PLAIN_SERVER = ("plain", "native-prewarm", *PAIRED)  # the ways served by plain vLLM (a paired way: by both)
+DEFAULT_WAYS = ("plain", "native", "mapped-sync", "mapped-async", WARM)  # one server per way, at the trace's rate
 LEAD_S = 2.0  # the prewarm ways: seconds from an arrival (the source's turn) to its escalated request
 QUIET_S = 1.0  # the source's maps ahead are done once its store's journal has not grown for this long ...
 QUIET_MAX_S = 300.0  # (waiting at most this long)
@@ -479,12 +480,13 @@ def load_table(report: dict) -> str:
 def loaded_ratios(report: dict) -> list[str]:
     """Per rate, plain vLLM's p90 TTFT over its unloaded p90 and p50 (the load the rate puts on the engine)."""
     by = {(r["way"], r["rate"]): r for r in report["results"]}
-    base = by.get(("plain", None))
+    plain = next((w for w in ("plain", "ab:plain", "ab-warm:plain") if (w, None) in by), None)  # a paired half too
     out = []
-    if base is None:
+    if plain is None:
         return out
+    base = by[(plain, None)]
     for rate in report["rates"]:
-        r = by.get(("plain", rate))
+        r = by.get((plain, rate))
         if r is not None:
             p90 = r["ttft_ms"]["p90"]
             out.append(f"at {rate:g} req/s plain vLLM's p90 TTFT is {p90 / base['ttft_ms']['p90']:.2f}× its unloaded "

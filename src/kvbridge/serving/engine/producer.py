@@ -211,6 +211,8 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         (a client that knows the conversation will not move to the target saves the store's writes and maps)."""
         params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         asked = params.get(USE_STORE, True)
+        if asked in ("folder", "source"):  # the target's choices of where to read: stored here either way
+            return True
         if not isinstance(asked, bool):
             logger.warning("kvbridge source connector: request %s: kv_transfer_params %s must be true or false, not "
                            "%r; stored", request.request_id, USE_STORE, asked)
