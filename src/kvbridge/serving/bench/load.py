@@ -224,6 +224,29 @@ async def _one(client, model: str, ids: list[int], params: dict | None, salt: st
             "sent_s": start, "prompt_tokens": len(ids)}
 
 
+def _late(row: dict, due: float | None) -> dict:
+    """``row`` with how far behind ``due`` (perf_counter seconds; None: no schedule) it was sent, ``late_ms``."""
+    if due is not None:
+        row["late_ms"] = 1000 * (row["sent_s"] - due)
+    return row
+
+
+async def _paced(trace: list[Arrival], one, open_loop: bool) -> list:
+    """``one(arrival, due)`` for each arrival of ``trace``, in the trace's order: open-loop, each started at its
+    arrival time (``due``: that time, perf_counter seconds) whatever the others are doing; else one after the other
+    (``due`` None)."""
+    if not open_loop:
+        return [await one(a, None) for a in trace]
+    t0 = time.perf_counter()
+
+    async def timed(a: Arrival):
+        due = t0 + a.at_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        return await one(a, due)
+
+    return await asyncio.gather(*(timed(a) for a in trace))
+
+
 async def _prewarmed(clients: dict, way: str, a: Arrival, ids: list[int], salt: str, lead_s: float, due: float,
                      new_tokens: int) -> dict:
     """One arrival of a prewarm way: the source's turn (one token), for ``native-prewarm`` then the prompt sent to
@@ -236,8 +259,7 @@ async def _prewarmed(clients: dict, way: str, a: Arrival, ids: list[int], salt: 
         await _one(target, target_model, ids, None, salt, 1)
     await asyncio.sleep(max(0.0, due + lead_s - time.perf_counter()))
     row = await _one(target, target_model, ids, PARAMS[way], salt, new_tokens)
-    row["late_ms"] = 1000 * (row["sent_s"] - due - lead_s)  # sent after its time: the turn before it ran over
-    return row
+    return _late(row, due + lead_s)  # sent after its time: the turn before it ran over
 
 
 async def replay_prewarmed(clients: dict, way: str, trace: list[Arrival], stream: list[int], bos: int | None,
@@ -245,19 +267,11 @@ async def replay_prewarmed(clients: dict, way: str, trace: list[Arrival], stream
     """A prewarm way's trace: each arrival's source turn sent at its arrival time (``open_loop``; else one arrival
     after the other), its escalated request ``lead_s`` seconds later (or later still, when the turn before it was
     slower than that: ``late_ms``)."""
-    async def one(a: Arrival, due: float) -> dict:
-        return await _prewarmed(clients, way, a, prompt_ids(a, stream, bos), f"{salt}-{a.index}", lead_s, due,
-                                new_tokens)
+    async def one(a: Arrival, due: float | None) -> dict:
+        return await _prewarmed(clients, way, a, prompt_ids(a, stream, bos), f"{salt}-{a.index}", lead_s,
+                                time.perf_counter() if due is None else due, new_tokens)
 
-    if not open_loop:
-        return [await one(a, time.perf_counter()) for a in trace]
-    t0 = time.perf_counter()
-
-    async def timed(a: Arrival) -> dict:
-        await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
-        return await one(a, t0 + a.at_s)
-
-    return await asyncio.gather(*(timed(a) for a in trace))
+    return await _paced(trace, one, open_loop)
 
 
 async def replay_ab(sides: list[tuple], trace: list[Arrival], stream: list[int], bos: int | None, salt: str,
@@ -266,39 +280,23 @@ async def replay_ab(sides: list[tuple], trace: list[Arrival], stream: list[int],
     prompt to all of them at its arrival time (``open_loop``; else one arrival after the other). Each side's rows,
     in the trace's order."""
     async def one(a: Arrival, due: float | None) -> list[dict]:
-        if due is not None:
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
         ids = prompt_ids(a, stream, bos)
         rows = await asyncio.gather(*(_one(client, model, ids, params, f"{salt}-{a.index}", new_tokens)
                                       for client, model, params in sides))
-        for row in rows:
-            if due is not None:
-                row["late_ms"] = 1000 * (row["sent_s"] - due)
-        return list(rows)
+        return [_late(row, due) for row in rows]
 
-    if open_loop:
-        t0 = time.perf_counter()
-        per_arrival = await asyncio.gather(*(one(a, t0 + a.at_s) for a in trace))
-    else:
-        per_arrival = [await one(a, None) for a in trace]
+    per_arrival = await _paced(trace, one, open_loop)
     return [[rows[k] for rows in per_arrival] for k in range(len(sides))]
 
 
 async def replay(client, model: str, trace: list[Arrival], stream: list[int], bos: int | None, params: dict | None,
                  salt: str, new_tokens: int, open_loop: bool = True) -> list[dict]:
     """The trace's requests, each sent at its arrival time (``open_loop``) or each after the last one finished."""
-    if not open_loop:
-        return [await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
-                for a in trace]
-    t0 = time.perf_counter()
-
-    async def timed(a: Arrival) -> dict:
-        await asyncio.sleep(max(0.0, t0 + a.at_s - time.perf_counter()))
+    async def one(a: Arrival, due: float | None) -> dict:
         row = await _one(client, model, prompt_ids(a, stream, bos), params, f"{salt}-{a.index}", new_tokens)
-        row["late_ms"] = 1000 * (row["sent_s"] - t0 - a.at_s)  # how far behind its arrival it was sent
-        return row
+        return _late(row, due)  # how far behind its arrival it was sent
 
-    return await asyncio.gather(*(timed(a) for a in trace))
+    return await _paced(trace, one, open_loop)
 
 
 @dataclass

@@ -127,9 +127,8 @@ class HotEntries:
         cursor = None
         run: tuple[float | None, int] = (None, 0)  # (when a run of announcements began, self.loaded before it)
         backoff = Backoff(POLL_S, IDLE_POLL_S)
-        wait = POLL_S
-        while not self._stop.wait(wait):
-            wait = backoff.next(False)
+        while not self._stop.wait(backoff.wait_s):
+            backoff.next(False)  # (a read that finds something below waits the low time again)
             try:
                 self._jobs_now()
                 store = self.store()
@@ -137,7 +136,7 @@ class HotEntries:
                     continue
                 paths, cursor = store.announced(cursor)
                 if paths:
-                    wait = backoff.next(True)
+                    backoff.next(True)
                 since = time.monotonic()
                 batch = list(dict.fromkeys(p for p in paths if p.name.endswith(self.suffix)))
                 before = self.loaded

@@ -99,16 +99,15 @@ class Prewarmer:
     def _run(self) -> None:
         cursor = None
         backoff = Backoff(POLL_S, IDLE_POLL_S)
-        wait = POLL_S
-        while not self._stop.wait(wait):
-            wait = backoff.next(False)
+        while not self._stop.wait(backoff.wait_s):
+            backoff.next(False)  # (a read that finds something below waits the low time again)
             try:
                 store = self.store()
                 if store is None or not self.ready():
                     continue
                 records, cursor = store.prewarms(cursor)
                 if records:
-                    wait = backoff.next(True)
+                    backoff.next(True)
             except Exception as exc:  # a hint: the switch loads what is not prewarmed
                 self._log("warning", "kvbridge prewarm: reading the journal failed (%s)", exc)
                 continue
