@@ -69,7 +69,7 @@ def published_config(source_info, target_info, levers: bool, source_hidden: int 
     from dataclasses import replace
 
     from ..core.mapper_config import MapperConfig
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
 
     all_layers = tuple(range(source_info.num_layers if source_depth is None else source_depth))
     chosen_layers = all_layers if top_k is None else all_layers[-min(top_k, len(all_layers)):]
@@ -111,7 +111,7 @@ def random_mapper(source, target, device, dtype, levers: bool = False, **fast):
     from ..core.mapper import Mapper
     from ..core.mapper_config import keeps_dtype
     from ..core.models import source_hidden_size
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
 
     if levers and "top_k" not in fast:
         fast["top_k"] = FitConfig().top_k
@@ -168,7 +168,7 @@ def plan_table() -> str:
 
     From the shipped configs alone: no weights are built.
     """
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
     from .bench import map_flops, prefill_flops
 
     infos, configs = _published_infos()
@@ -196,7 +196,7 @@ def plan_table() -> str:
 def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
     """The TTFT speed-up limit (a native prefill's FLOPs ÷ the mapped path's) at the published geometry, for
     the plain map and for kvbridge fit's defaults (levers, selective recompute, hold-back)."""
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
     from .bench import path_flops, prefill_flops
 
     d = FitConfig()
@@ -234,7 +234,7 @@ def ttft_limit_table(source, target, configs, lengths=(1024, 8192)) -> str:
 
 def published_fit(texts: int, seq_len: int, stride: int, batch_size: int = 4):
     """The published fit's settings: every source layer for every target layer, ridge 0.01, no levers."""
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
 
     return FitConfig(num_texts=texts, seq_len=seq_len, stride=stride, batch_size=batch_size, heldout_texts=0,
                      top_k=None, lags=(0,), lever_inputs="same", mlp_hidden=0, recompute=0.0)
