@@ -23,7 +23,8 @@ from ..core.mapper import Mapper, check_mapper
 from ..core.outputs import check_output_dir, write_text
 from ..core.transfer import Bridge
 from ..errors import KVBridgeError
-from ..fit.closed_form import FitConfig, fit_mapper
+from ..fit.closed_form import fit_mapper
+from ..fit.config import FitConfig
 from ..release.card import write_card
 from .bench import bench_table, run_bench
 from .evaluate import bootstrap_interval, capped_mean_retention, family_tasks, gap_cell, mean_retention
@@ -79,7 +80,7 @@ def _side_by_side(plain: list, recommended: list) -> str:
 def shipped_mapper(cfg: DemoConfig, plain: bool = False) -> Mapper | None:
     """The family's shipped recommended (``plain``: plain) mapper, when it is what ``cfg`` would fit (its recorded fit
     settings equal ``cfg.fit``'s, with :data:`PLAIN` for the plain one); None otherwise (then the demo fits it)."""
-    from ..fit.closed_form import recorded_settings
+    from ..fit.config import recorded_settings
 
     try:
         mapper = Mapper.from_pretrained(family.mapper_path(plain))
@@ -111,69 +112,17 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
          f"({target.info.num_layers} layers), trained on the CPython standard library")
 
     # 1. fit the recommended mapper (kvbridge fit's defaults) and the plain linear map, on the calibration split
-    calibration = family.calibration_texts()
-    shipped = not (quick or refit or name != "default")
-    mapper = shipped_mapper(cfg) if shipped else None
-    if mapper is None:
-        _say("fitting the recommended mapper (kvbridge fit's defaults)" + (" — about three minutes on 2 cores"
-                                                                           if not quick else ""))
-        mapper = fit_mapper(source, target, calibration, cfg.fit, progress=progress)
-    else:
-        _say(f"recommended mapper: the shipped, verified artifact {family.mapper_path()} (fitted with these settings "
-             f"in {mapper.run_report.get('fit_seconds', float('nan')):.0f} s; --refit fits it again)")
-    plain = shipped_mapper(cfg, plain=True) if shipped else None
-    if plain is None:
-        plain = fit_mapper(source, target, calibration, replace(cfg.fit, **PLAIN), progress=False)
-    else:
-        _say(f"plain map (the published card's kind): the shipped artifact {family.mapper_path(plain=True)} (fitted "
-             f"in {plain.run_report.get('fit_seconds', float('nan')):.0f} s)")
-    f = mapper.config.fit
-    levers = ", ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
-                       + (f", MLP {v.hidden}" if v.hidden else "") for v in mapper.config.levers) or "none"
-    _say(f"fit: {f['observations']:,} observations in {mapper.run_report['fit_seconds']:.1f} s; "
-         f"levers: {levers}; runtime "
-         f"{mapper.config.runtime.to_dict()}; held-out R² keys {f.get('key_r2_heldout_mean', float('nan')):.3f} "
-         f"(plain {plain.config.fit.get('key_r2_heldout_mean', float('nan')):.3f}), values "
-         f"{f.get('value_r2_heldout_mean', float('nan')):.3f}")
-
+    mapper, plain = _mappers(cfg, source, target, not (quick or refit or name != "default"), progress)
     # 2. save, verify, reload exactly as a user would
     tmp = None if out else tempfile.TemporaryDirectory(prefix="kvbridge-demo-")
     root = Path(out or tmp.name)
     artifact = root / "mapper"
-    mapper.save_pretrained(artifact)
-    problems = check_mapper(artifact)
-    if problems:
-        raise KVBridgeError(f"demo artifact does not verify: {problems}")
-    bridge = Bridge(source, target, Mapper.from_pretrained(str(artifact)))
-    _say(f"artifact saved and verified: {artifact}")
-
+    bridge = Bridge(source, target, _saved_and_verified(mapper, artifact))
     # 3. native vs mapped on held-out prompts
     held = family.heldout_texts()
-    prompts = [bridge.tokenizer.decode(bridge.tokenizer(t, add_special_tokens=False)["input_ids"][:96])
-               for t in held[: cfg.prompts]]
-    gens = {m: bridge.generate(prompts, mode=m, max_new_tokens=cfg.new_tokens) for m in ("native", "mapped", "source")}
-    samples = []
-    for i, prompt in enumerate(prompts):
-        a, b, c = (gens[m].token_ids[i] for m in ("native", "mapped", "source"))
-        samples.append({"prompt_tail": prompt[-120:], "native": gens["native"].texts[i],
-                        "mapped": gens["mapped"].texts[i], "source": gens["source"].texts[i],
-                        "agreeing_tokens": sum(x == y for x, y in zip(a, b)),
-                        "source_agreeing_tokens": sum(x == y for x, y in zip(a, c)), "tokens": len(a)})
-
+    samples = _samples(bridge, held, cfg)
     # 4. retention on the family tasks, plain map and recommended levers side by side, at each length
-    retention = {}
-    plain_bridge = Bridge(source, target, plain)
-    for length in cfg.task_lengths:
-        base = family_tasks(plain_bridge, held, items=cfg.task_items, seq_len=length)
-        ours = family_tasks(bridge, held, items=cfg.task_items, seq_len=length, reference=base)
-        retention[str(length)] = {"plain": [r.to_dict() for r in base], "recommended": [r.to_dict() for r in ours],
-                                  "recommended_mean": mean_retention(ours),
-                                  "recommended_capped_mean": capped_mean_retention(ours),
-                                  "recommended_capped_interval_95": bootstrap_interval(
-                                      [ours], statistic=capped_mean_retention)}
-        _say(f"\nRetention on held-out text ({cfg.task_items} documents × {length} tokens, CPU):\n")
-        _say(_side_by_side(base, ours))
-
+    retention = _retention(bridge, Bridge(source, target, plain), held, cfg)
     # 5. what the mapped target keeps of the target's lead over the source on third-party code, generation included
     from ..family.external import external_texts
 
@@ -188,45 +137,18 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
     _say(f"\nLatency of the recommended mapper (batch 1, float32, {torch.get_num_threads()} CPU threads, "
          f"median of {cfg.trials}):\n")
     _say(bench_table(rows))
-    longest = str(max(cfg.task_lengths))
+    longest = max(cfg.task_lengths)
     # the headline's speed-up: native and mapped timed side by side in interleaved rounds, as the frontier does
-    timing = ttft(bridge, int(longest), cfg.warmup, cfg.headline_trials, cfg.headline_rounds)
-    lo, hi = retention[longest]["recommended_capped_interval_95"]
-    headline = (f"{100 * retention[longest]['recommended_capped_mean']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] of "
-                f"the target's above-floor quality (each task capped at 100 %, 95 % bootstrap interval over "
-                f"documents; uncapped {100 * retention[longest]['recommended_mean']:.1f} %) at "
-                f"{timing['ttft_speedup']:.2f} ± {timing['speedup_noise']:.2f}× time to first token (median of "
-                f"{cfg.headline_rounds} interleaved rounds ± their median absolute deviation) at {int(longest):,} "
-                "tokens")
-    first = third_party["lengths"][0]
-    cells = {c["task"]: c for c in first["cells"]}
-    ppl, agree = cells.get("perplexity"), cells.get("agreement")
-    if ppl and ppl["target_leads"]:
-        lo, hi = ppl["gap_interval"]
-        gap_line = (f"on third-party code the mapped target keeps {100 * ppl['gap_recovered']:.0f} % [{100 * lo:.0f}, "
-                    f"{100 * hi:.0f}] of the target's perplexity lead over the source")
-    else:
-        gap_line = "on third-party code the target's perplexity lead over the source is inside the noise"
-    if agree:
-        gap_line += (f"; its greedy continuations agree with native's on {100 * agree['mapped']:.0f} % of tokens "
-                     f"(the source alone: {100 * agree['source']:.0f} %)")
-    if "ttft" in first:
-        gap_line += f", at {first['ttft']['ttft_speedup']:.2f}× time to first token"
-    headline = f"{gap_line} at {first['length']:,} tokens; on the family's own tasks, {headline}"
+    timing = ttft(bridge, longest, cfg.warmup, cfg.headline_trials, cfg.headline_rounds)
+    headline = _headline(retention[str(longest)], timing, third_party, cfg.headline_rounds, longest)
     _say(f"\nHeadline: {headline}")
-    for i, sample in enumerate(samples):
-        _say(f"\n=== held-out prompt {i} (…{sample['prompt_tail'][-60:]!r})")
-        _say(f"--- native: {sample['native']!r}")
-        _say(f"--- mapped: {sample['mapped']!r}")
-        _say(f"--- source alone: {sample['source']!r}")
-        _say(f"--- mapped agrees with native on {sample['agreeing_tokens']}/{sample['tokens']} tokens, the source "
-             f"alone on {sample['source_agreeing_tokens']}")
+    _say_samples(samples)
     figures = {
         "mode": "quick" if quick else "full",
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "family": fam,
-        "fit": {k: v for k, v in f.items() if not k.endswith("single_layer_r2")},
+        "fit": {k: v for k, v in mapper.config.fit.items() if not k.endswith("single_layer_r2")},
         "fit_run": mapper.run_report,
         "levers": [v.to_dict() for v in mapper.config.levers],
         "runtime": mapper.config.runtime.to_dict(),
@@ -247,3 +169,109 @@ def run_demo(out: str | None = None, quick: bool = False, progress: bool = True,
         tmp.cleanup()
     _say(f"demo finished in {figures['seconds']:.0f} s")
     return figures
+
+
+def _mappers(cfg: DemoConfig, source, target, shipped: bool, progress: bool) -> tuple[Mapper, Mapper]:
+    """(recommended, plain): the shipped artifacts when ``shipped`` (and they verify), else fitted on the
+    calibration split; says which, and what the fit found."""
+    calibration = family.calibration_texts()
+    mapper = shipped_mapper(cfg) if shipped else None
+    if mapper is None:
+        _say("fitting the recommended mapper (kvbridge fit's defaults)" + (" — about three minutes on 2 cores"
+                                                                           if cfg is FULL else ""))
+        mapper = fit_mapper(source, target, calibration, cfg.fit, progress=progress)
+    else:
+        _say(f"recommended mapper: the shipped, verified artifact {family.mapper_path()} (fitted with these settings "
+             f"in {mapper.run_report.get('fit_seconds', float('nan')):.0f} s; --refit fits it again)")
+    plain = shipped_mapper(cfg, plain=True) if shipped else None
+    if plain is None:
+        plain = fit_mapper(source, target, calibration, replace(cfg.fit, **PLAIN), progress=False)
+    else:
+        _say(f"plain map (the published card's kind): the shipped artifact {family.mapper_path(plain=True)} (fitted "
+             f"in {plain.run_report.get('fit_seconds', float('nan')):.0f} s)")
+    f = mapper.config.fit
+    levers = ", ".join(f"{v.kind}s of layer {v.layer}: lags {list(v.lags)} of {'+'.join(v.inputs)}"
+                       + (f", MLP {v.hidden}" if v.hidden else "") for v in mapper.config.levers) or "none"
+    _say(f"fit: {f['observations']:,} observations in {mapper.run_report['fit_seconds']:.1f} s; "
+         f"levers: {levers}; runtime "
+         f"{mapper.config.runtime.to_dict()}; held-out R² keys {f.get('key_r2_heldout_mean', float('nan')):.3f} "
+         f"(plain {plain.config.fit.get('key_r2_heldout_mean', float('nan')):.3f}), values "
+         f"{f.get('value_r2_heldout_mean', float('nan')):.3f}")
+    return mapper, plain
+
+
+def _saved_and_verified(mapper: Mapper, artifact: Path) -> Mapper:
+    """The mapper saved, verified and read back exactly as a user would."""
+    mapper.save_pretrained(artifact)
+    problems = check_mapper(artifact)
+    if problems:
+        raise KVBridgeError(f"demo artifact does not verify: {problems}")
+    _say(f"artifact saved and verified: {artifact}")
+    return Mapper.from_pretrained(str(artifact))
+
+
+def _samples(bridge: Bridge, held: list[str], cfg: DemoConfig) -> list[dict]:
+    """Native, mapped and source-alone continuations of held-out prompts, with their token agreement."""
+    prompts = [bridge.tokenizer.decode(bridge.tokenizer(t, add_special_tokens=False)["input_ids"][:96])
+               for t in held[: cfg.prompts]]
+    gens = {m: bridge.generate(prompts, mode=m, max_new_tokens=cfg.new_tokens) for m in ("native", "mapped", "source")}
+    samples = []
+    for i, prompt in enumerate(prompts):
+        a, b, c = (gens[m].token_ids[i] for m in ("native", "mapped", "source"))
+        samples.append({"prompt_tail": prompt[-120:], "native": gens["native"].texts[i],
+                        "mapped": gens["mapped"].texts[i], "source": gens["source"].texts[i],
+                        "agreeing_tokens": sum(x == y for x, y in zip(a, b)),
+                        "source_agreeing_tokens": sum(x == y for x, y in zip(a, c)), "tokens": len(a)})
+    return samples
+
+
+def _retention(bridge: Bridge, plain_bridge: Bridge, held: list[str], cfg: DemoConfig) -> dict:
+    """Family-task retention at each length, the plain map and the recommended one side by side (printed)."""
+    retention = {}
+    for length in cfg.task_lengths:
+        base = family_tasks(plain_bridge, held, items=cfg.task_items, seq_len=length)
+        ours = family_tasks(bridge, held, items=cfg.task_items, seq_len=length, reference=base)
+        retention[str(length)] = {"plain": [r.to_dict() for r in base], "recommended": [r.to_dict() for r in ours],
+                                  "recommended_mean": mean_retention(ours),
+                                  "recommended_capped_mean": capped_mean_retention(ours),
+                                  "recommended_capped_interval_95": bootstrap_interval(
+                                      [ours], statistic=capped_mean_retention)}
+        _say(f"\nRetention on held-out text ({cfg.task_items} documents × {length} tokens, CPU):\n")
+        _say(_side_by_side(base, ours))
+    return retention
+
+
+def _headline(longest: dict, timing: dict, third_party: dict, rounds: int, length: int) -> str:
+    """One sentence: the gap kept on third-party code first, then family-task retention at ``length`` with its
+    interleaved TTFT speed-up."""
+    lo, hi = longest["recommended_capped_interval_95"]
+    family_line = (f"{100 * longest['recommended_capped_mean']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] of "
+                   f"the target's above-floor quality (each task capped at 100 %, 95 % bootstrap interval over "
+                   f"documents; uncapped {100 * longest['recommended_mean']:.1f} %) at "
+                   f"{timing['ttft_speedup']:.2f} ± {timing['speedup_noise']:.2f}× time to first token (median of "
+                   f"{rounds} interleaved rounds ± their median absolute deviation) at {length:,} tokens")
+    first = third_party["lengths"][0]
+    cells = {c["task"]: c for c in first["cells"]}
+    ppl, agree = cells.get("perplexity"), cells.get("agreement")
+    if ppl and ppl["target_leads"]:
+        lo, hi = ppl["gap_interval"]
+        gap_line = (f"on third-party code the mapped target keeps {100 * ppl['gap_recovered']:.0f} % [{100 * lo:.0f}, "
+                    f"{100 * hi:.0f}] of the target's perplexity lead over the source")
+    else:
+        gap_line = "on third-party code the target's perplexity lead over the source is inside the noise"
+    if agree:
+        gap_line += (f"; its greedy continuations agree with native's on {100 * agree['mapped']:.0f} % of tokens "
+                     f"(the source alone: {100 * agree['source']:.0f} %)")
+    if "ttft" in first:
+        gap_line += f", at {first['ttft']['ttft_speedup']:.2f}× time to first token"
+    return f"{gap_line} at {first['length']:,} tokens; on the family's own tasks, {family_line}"
+
+
+def _say_samples(samples: list[dict]) -> None:
+    for i, sample in enumerate(samples):
+        _say(f"\n=== held-out prompt {i} (…{sample['prompt_tail'][-60:]!r})")
+        _say(f"--- native: {sample['native']!r}")
+        _say(f"--- mapped: {sample['mapped']!r}")
+        _say(f"--- source alone: {sample['source']!r}")
+        _say(f"--- mapped agrees with native on {sample['agreeing_tokens']}/{sample['tokens']} tokens, the source "
+             f"alone on {sample['source_agreeing_tokens']}")

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from ..core.outputs import check_output_dir, save_figure, write_text
+from ..core.outputs import check_output_dir, write_text
 from ..core.transfer import Bridge
 from ..errors import InputError
-from ..fit.closed_form import MAX_RIDGE, FitConfig, fit_mapper
+from ..fit.closed_form import fit_mapper
+from ..fit.config import MAX_RIDGE, FitConfig
 from .bench import device_name, map_flops, mapped_ttft_flops, prefill_flops, time_ms
 from .evaluate import (
     bootstrap_interval,
@@ -52,6 +53,7 @@ from .evaluate import (
     percentile_interval,
 )
 from .freegen import continuation_results
+from .frontier_report import cell_name, frontier_table, plot_frontier
 
 MIN_SPEEDUP = 1.5
 GENERATED = 48  # greedy tokens per continuation in the free-generation measure (at the headline length)
@@ -338,7 +340,7 @@ def real_flop_limit(bridge: Bridge, tokens: int) -> float | None:
     its levers if it has the fit's default ones, its runtime options; the same share of the source's layers run (a map
     reading only the first ones) and of the target's layers computed natively. None for a point with other levers (their
     cost at that geometry is not planned here)."""
-    from ..fit.closed_form import FitConfig
+    from ..fit.config import FitConfig
     from .bench import path_flops
     from .bench_real import _published_infos, published_config
 
@@ -444,13 +446,7 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     if headline not in lengths:
         raise InputError(f"the headline length {headline} is not one of the measured lengths {list(lengths)}.")
     tok = target.tokenizer
-    if config.items < 4:
-        raise InputError(f"{config.items} held-out rows: the cloze task needs at least 4.")
-    for n in lengths:  # before minutes of fitting
-        available = rows_available(tok, heldout, n)
-        if available < config.items:
-            raise InputError(f"the held-out texts give {available} rows of {n} tokens, packed end to end; "
-                             f"{config.items} were asked for. Ask for fewer items or pass more texts.")
+    _check_rows(tok, heldout, config)
     fit_texts, validation = split_validation(tok, calibration, config.validation_items,
                                              min(VALIDATION_TOKENS, max(lengths)))
     out.mkdir(parents=True, exist_ok=True)
@@ -490,21 +486,6 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
         generation = {r.task: r for r in continuation_results(
             bridge, [r[: min(headline, bridge.max_positions - GENERATED)].tolist() for r in rows], keys, GENERATED,
             known=written)}
-        tasks = []
-        for n, run in runs.items():
-            for r in run:
-                lo, hi = mapped_minus_source(r)
-                if (n, r.task) not in leads:  # the target's own lead over the source (the same for every point)
-                    leads[n, r.task] = list(mapped_minus_source(r, mode="native"))
-                tasks.append({"task": r.task, "context_tokens": n, "native": r.native, "mapped": r.mapped,
-                              "source": r.source, "floor": r.floor, "higher_is_better": r.higher_is_better,
-                              "floor_normalized_retention": r.floor_normalized_retention,
-                              "counted": counted(r),
-                              "mapped_minus_source_95": [lo, hi], "below_source": hi < 0,
-                              "native_minus_source_95": leads[n, r.task],
-                              # share of the target's lead over the source kept: only where there is a lead
-                              **({"gap_recovered": gap_recovered(r), "gap_interval_95": list(gap_interval(r))}
-                                 if leads[n, r.task][0] > 0 else {"gap_recovered": None})})
         by_length = {}
         for n in lengths:
             timing = ttft(bridge, n, config.ttft_warmup, config.ttft_trials, config.ttft_rounds)
@@ -513,32 +494,8 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
                 "interval_95": bootstrap_interval([runs[n]], statistic=capped_mean_retention),
                 "validation_retention": capped_mean_retention(val[n]), "validation_rows": val_rows[n], **timing,
                 "ttft_flop_limit": flop_limit(bridge, n)}
+        points.append(_point(point, bridge, _task_cells(runs, leads), runs, by_length, generation, headline))
         here = by_length[str(headline)]
-        fit = mappers[key].config.fit
-        points.append({
-            "name": point.name, "levers": {"fit": point.fit, "runtime": point.runtime,
-                                           "mapper": [v.to_dict() for v in mappers[key].config.levers]},
-            "tasks": tasks, "context_tokens": headline,
-            # the headline: one length, capped cells, paired interval, next to the speed-up there
-            "retention": here["retention"], "interval_95": here["interval_95"],
-            "validation_retention": here["validation_retention"],
-            **{k: here[k] for k in ("native_ttft_ms", "mapped_ttft_ms", "ttft_speedup", "round_speedups",
-                                    "speedup_noise", "ttft_flop_limit")},
-            "by_length": by_length,
-            "mean_floor_normalized_retention": mean_retention([r for run in runs.values() for r in run]),
-            "capped_retention_all_lengths": capped_mean_retention([r for run in runs.values() for r in run]),
-            "interval_95_all_lengths": bootstrap_interval(list(runs.values()), statistic=capped_mean_retention),
-            "generation": {task: {"native": r.native, "mapped": r.mapped, "source": r.source,
-                                  "mapped_minus_source_95": list(mapped_minus_source(r))}
-                           for task, r in generation.items()},
-            "real_geometry_ttft_flop_limit": real_flop_limit(bridge, 1024),
-            "map_mflop_per_token": map_flops(mappers[key], 1) / 1e6,
-            "mapper_parameters": mappers[key].config.num_parameters(),
-            "key_r2_heldout": fit.get("key_r2_heldout"),
-            "source_beats_mapped": [cell_name(t) for t in tasks if t["below_source"]],
-            "mapped_beats_source": [cell_name(t) for t in tasks
-                                    if t["mapped_minus_source_95"][0] > 0],
-        })
         _say(f"[{time.perf_counter() - start:5.0f} s] {point.name}: held-out retention (capped) "
              + ", ".join(f"{100 * v['retention']:.1f}% at {v['ttft_speedup']:.2f}× @{n}" for n, v in by_length.items())
              + f"; validation {100 * here['validation_retention']:.1f}% @{headline}", progress)
@@ -560,133 +517,70 @@ def run_frontier(source, target, calibration: list[str], heldout: list[str], con
     return report
 
 
-def headline(report: dict) -> str:
-    """"X % at Y× at N tokens" for the recommended point (or says that no point was fast enough)."""
-    n = report["headline_tokens"]
-    if report["recommended"] is None:
-        return f"no point cleared {report['min_ttft_speedup']}× at {n:,} tokens by its own timing noise"
-    p = next(p for p in report["points"] if p["name"] == report["recommended"])
-    lo, hi = p["interval_95"]
-    return (f"{100 * p['retention']:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] at {p['ttft_speedup']:.2f}× at {n:,} "
-            f"tokens ({p['name']})")
+
+def _check_rows(tok, heldout: list[str], config: FrontierConfig) -> None:
+    """Enough held-out rows at every length, before minutes of fitting."""
+    if config.items < 4:
+        raise InputError(f"{config.items} held-out rows: the cloze task needs at least 4.")
+    for n in config.lengths:
+        available = rows_available(tok, heldout, n)
+        if available < config.items:
+            raise InputError(f"the held-out texts give {available} rows of {n} tokens, packed end to end; "
+                             f"{config.items} were asked for. Ask for fewer items or pass more texts.")
+
+
+def _task_cells(runs: dict, leads: dict) -> list[dict]:
+    """One record per task and length: the three modes, the floor, mapped − source and the share of the target's
+    lead kept. ``leads`` caches the target's own lead over the source, the same for every point."""
+    tasks = []
+    for n, run in runs.items():
+        for r in run:
+            lo, hi = mapped_minus_source(r)
+            if (n, r.task) not in leads:
+                leads[n, r.task] = list(mapped_minus_source(r, mode="native"))
+            tasks.append({"task": r.task, "context_tokens": n, "native": r.native, "mapped": r.mapped,
+                          "source": r.source, "floor": r.floor, "higher_is_better": r.higher_is_better,
+                          "floor_normalized_retention": r.floor_normalized_retention,
+                          "counted": counted(r),
+                          "mapped_minus_source_95": [lo, hi], "below_source": hi < 0,
+                          "native_minus_source_95": leads[n, r.task],
+                          # share of the target's lead over the source kept: only where there is a lead
+                          **({"gap_recovered": gap_recovered(r), "gap_interval_95": list(gap_interval(r))}
+                             if leads[n, r.task][0] > 0 else {"gap_recovered": None})})
+    return tasks
+
+
+def _point(point: Point, bridge: Bridge, tasks: list[dict], runs: dict, by_length: dict, generation: dict,
+           headline: int) -> dict:
+    """A point's record in frontier.json: its levers, every cell, the headline length's figures beside each
+    length's, free generation, FLOPs and what beats what."""
+    mapper = bridge.mapper
+    here = by_length[str(headline)]
+    return {
+        "name": point.name, "levers": {"fit": point.fit, "runtime": point.runtime,
+                                       "mapper": [v.to_dict() for v in mapper.config.levers]},
+        "tasks": tasks, "context_tokens": headline,
+        # the headline: one length, capped cells, paired interval, next to the speed-up there
+        "retention": here["retention"], "interval_95": here["interval_95"],
+        "validation_retention": here["validation_retention"],
+        **{k: here[k] for k in ("native_ttft_ms", "mapped_ttft_ms", "ttft_speedup", "round_speedups",
+                                "speedup_noise", "ttft_flop_limit")},
+        "by_length": by_length,
+        "mean_floor_normalized_retention": mean_retention([r for run in runs.values() for r in run]),
+        "capped_retention_all_lengths": capped_mean_retention([r for run in runs.values() for r in run]),
+        "interval_95_all_lengths": bootstrap_interval(list(runs.values()), statistic=capped_mean_retention),
+        "generation": {task: {"native": r.native, "mapped": r.mapped, "source": r.source,
+                              "mapped_minus_source_95": list(mapped_minus_source(r))}
+                       for task, r in generation.items()},
+        "real_geometry_ttft_flop_limit": real_flop_limit(bridge, 1024),
+        "map_mflop_per_token": map_flops(mapper, 1) / 1e6,
+        "mapper_parameters": mapper.config.num_parameters(),
+        "key_r2_heldout": mapper.config.fit.get("key_r2_heldout"),
+        "source_beats_mapped": [cell_name(t) for t in tasks if t["below_source"]],
+        "mapped_beats_source": [cell_name(t) for t in tasks if t["mapped_minus_source_95"][0] > 0],
+    }
 
 
 def _say(message: str, progress: bool) -> None:
     if progress:
         print(message, flush=True)
-
-
-def frontier_table(report: dict) -> str:
-    lengths, n = report["lengths"], report["headline_tokens"]
-    head = (f"| Point | Validation @{n} | Held-out @{n} [95% interval] | "
-            + " | ".join(f"@{m}: retention, TTFT speed-up" for m in lengths)
-            + f" | Gap recovered, perplexity @{n} | Greedy agreement with native @{n} (source alone) | Map MFLOP/token "
-              "| Ministral-3 FLOP limit @1024 | Mapped below source on |")
-    lines = [head, "|---|---:|---:|" + "---:|" * (len(lengths) + 4) + "---|"]
-    for p in report["points"]:
-        star = " **(recommended)**" if p["name"] == report["recommended"] else ""
-        front = " ◆" if p["name"] in report["pareto"] else ""
-        lo, hi = p["interval_95"]
-        cells = []
-        for m in lengths:
-            v = p["by_length"][str(m)]
-            cells.append(f"{100 * v['retention']:.1f}%, {v['ttft_speedup']:.2f}× ±{v['speedup_noise']:.2f}")
-        real = p.get("real_geometry_ttft_flop_limit")
-        lines.append(f"| {p['name']}{star}{front} | {100 * p['validation_retention']:.1f}% | "
-                     f"{100 * p['retention']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | " + " | ".join(cells)
-                     + f" | {_gap(p, n)} | {_agreement(p)} | {p['map_mflop_per_token']:.2f} | "
-                     + (f"{real:.2f}× | " if real else "— | ")
-                     + f"{', '.join(p['source_beats_mapped']) or '—'} |")
-    lines.append("")
-    chosen = next((p for p in report["points"] if p["name"] == report["recommended"]), None)
-    if chosen is not None and "mapped_beats_source" in chosen:
-        cells = chosen["tasks"]
-        short = [f"{cell_name(t)} [{_points(t, 'mapped_minus_source_95')}]" for t in cells
-                 if cell_name(t) not in chosen["mapped_beats_source"]]
-        lines += [f"The recommended point's mapped target beats the source alone beyond noise (paired interval of "
-                  f"mapped − source above zero) on {len(cells) - len(short)} of {len(cells)} task cells"
-                  + (f"; not on {', '.join(short)}." if short else ".")]
-        if all("native_minus_source_95" in t for t in chosen["tasks"]):
-            tied = [f"{cell_name(t)} [{_points(t, 'native_minus_source_95')}]"
-                    for t in chosen["tasks"] if not t["native_minus_source_95"][0] > 0]  # NaN: not beyond noise
-            lines[-1] += (f" The target itself (native) does not beat the source beyond noise on "
-                          f"{', '.join(tied)}: a transfer that matches the target is not expected to show it there "
-                          "with these items." if tied else
-                          " The target itself (native) beats the source beyond noise on every cell.")
-        lines.append("")
-    for p in report["points"]:
-        if "recommended_minus_control_95" in p:
-            d = p["recommended_minus_control_95"]
-            lines += [f"Recommended minus *{p['name']}*, paired 95 % intervals in points: held-out "
-                      f"[{100 * d['heldout'][0]:+.1f}, {100 * d['heldout'][1]:+.1f}], validation "
-                      f"[{100 * d['validation'][0]:+.1f}, {100 * d['validation'][1]:+.1f}].", ""]
-    tasks = "five family tasks (recall of the document's own text included)" if report.get("predictable_recall") \
-        else "four family tasks"
-    rows = ", ".join(f"{v} at {m}" for m, v in report["validation_rows"].items())
-    lines.append(f"**{headline(report)}.** Retention: mean floor-normalized retention over the {tasks}, each task's "
-                 f"cell capped at 100 % (uncapped means in frontier.json), with a 95 % bootstrap interval that "
-                 f"resamples documents. TTFT speed-up: native ÷ mapped time to first token at the same length, "
-                 f"median of {report.get('ttft_rounds', 5)} interleaved rounds ± their median absolute deviation. "
-                 f"Validation: {report['validation_documents']} calibration documents kept out of every fit (rows "
-                 f"{rows}; packed end to end where longer than the documents); held-out: {report['items']} rows per "
-                 f"length, never trained or calibrated on. Recommended at {n:,} tokens: among points whose speed-up "
-                 f"less its noise is ≥ {report['min_ttft_speedup']}×, the fastest whose paired interval of validation "
-                 f"retention minus the best one's reaches zero. Below source: the paired interval of mapped − source "
-                 f"lies below zero. ◆ Pareto front at {n:,} tokens. {report['device']}, batch 1.")
-    return "\n".join(lines)
-
-
-def _gap(point: dict, length: int) -> str:
-    """The point's gap recovered on perplexity at ``length`` with its interval ("n/s" where the target's lead over
-    the source is inside the noise; "—" for a report written before the figure existed)."""
-    task = next((t for t in point["tasks"] if t["task"] == "perplexity" and t["context_tokens"] == length), None)
-    if task is None or "gap_recovered" not in task:
-        return "—"
-    if task["gap_recovered"] is None:
-        return "n/s"
-    lo, hi = task["gap_interval_95"]
-    return f"{100 * task['gap_recovered']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
-
-
-def _agreement(point: dict) -> str:
-    """The point's greedy continuations' agreement with native's, the source alone's beside it."""
-    g = (point.get("generation") or {}).get("agreement")
-    return "—" if g is None else f"{100 * g['mapped']:.1f}% ({100 * g['source']:.1f}%)"
-
-
-def cell_name(task: dict) -> str:
-    """A task cell as frontier.json names it: ``task@length``."""
-    return f"{task['task']}@{task['context_tokens']}"
-
-
-def _points(task: dict, key: str) -> str:
-    """A task's interval in its own unit, positive where the first mode does better: points for a score, NLL per
-    token saved for perplexity."""
-    lo, hi = task[key]
-    return f"{lo:+.2f}, {hi:+.2f} NLL/token saved" if not task["higher_is_better"] else \
-        f"{100 * lo:+.1f}, {100 * hi:+.1f} points"
-
-
-def plot_frontier(report: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in report["points"]:
-        on = p["name"] in report["pareto"]
-        ax.scatter(p["ttft_speedup"], 100 * p["retention"], s=60 if on else 30,
-                   marker="D" if on else "o", color="tab:red" if p["name"] == report["recommended"] else "tab:blue")
-        ax.annotate(p["name"], (p["ttft_speedup"], 100 * p["retention"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
-    front = sorted((p for p in report["points"] if p["name"] in report["pareto"]), key=lambda p: p["ttft_speedup"])
-    ax.plot([p["ttft_speedup"] for p in front], [100 * p["retention"] for p in front],
-            color="tab:blue", lw=0.8, ls="--")
-    ax.axvline(report["min_ttft_speedup"], color="grey", lw=0.8)
-    ax.set(xlabel=f"TTFT speed-up at {report['headline_tokens']} tokens (× native)",
-           ylabel=f"retention at {report['headline_tokens']} tokens (%, capped)",
-           title="retention vs time to first token")
-    fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
