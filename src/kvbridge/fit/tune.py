@@ -97,6 +97,29 @@ def mapped(params: dict, x: torch.Tensor, heads: int) -> torch.Tensor:
     return y.view(*y.shape[:2], heads, -1).transpose(1, 2)
 
 
+def _descend(divergence, flat: list[torch.Tensor], train: torch.Tensor, budget: TuneBudget, g: torch.Generator,
+             progress: bool) -> None:
+    """AdamW on ``flat`` over ``budget.steps`` batches of rows drawn from ``train`` with ``g``: a 20-step warm-up,
+    then a cosine schedule."""
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(flat, lr=budget.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / budget.steps)))
+    with tqdm(total=budget.steps, desc="tuning levers", unit="step", disable=not progress) as bar:
+        for _ in range(budget.steps):
+            idx = train[torch.randint(len(train), (min(budget.batch, len(train)),), generator=g)]
+            loss = divergence(idx, True)
+            if not torch.isfinite(loss):
+                raise FitError("tuning the levers diverged (a non-finite loss); lower --tune-lr.")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            schedule.step()
+            bar.update(1)
+            bar.set_postfix(kl=f"{loss.item():.4f}", refresh=False)
+
+
 def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tensor, selection: dict,
                 levers: tuple[Lever, ...], weights: dict[str, torch.Tensor], budget: TuneBudget, batch_size: int,
                 progress: bool = True, plain: tuple[tuple[str, int], ...] = ()) -> tuple[dict[str, torch.Tensor], dict]:
@@ -104,8 +127,6 @@ def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tenso
     from the target's native next-token distribution; returns (weights, report). ``plain``: (kind, layer) maps
     without a lever, on lever layers, trained with them (their plain linear map: the runtime cost is unchanged);
     ``weights`` holds theirs too."""
-    from tqdm.auto import tqdm
-
     model, device = target.model, target.device
     n = sequences.shape[0]
     if n < 2:
@@ -160,22 +181,7 @@ def tune_levers(source: LoadedModel, target: LoadedModel, sequences: torch.Tenso
         p.requires_grad_(False)
     try:
         before = validation()
-        flat = [p for group in params.values() for p in group.values()]
-        opt = torch.optim.AdamW(flat, lr=budget.lr, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / budget.steps)))
-        with tqdm(total=budget.steps, desc="tuning levers", unit="step", disable=not progress) as bar:
-            for _ in range(budget.steps):
-                idx = train[torch.randint(len(train), (min(budget.batch, len(train)),), generator=g)]
-                loss = divergence(idx, True)
-                if not torch.isfinite(loss):
-                    raise FitError("tuning the levers diverged (a non-finite loss); lower --tune-lr.")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                schedule.step()
-                bar.update(1)
-                bar.set_postfix(kl=f"{loss.item():.4f}", refresh=False)
+        _descend(divergence, [p for group in params.values() for p in group.values()], train, budget, g, progress)
         after = validation()
     finally:
         for p in frozen:
