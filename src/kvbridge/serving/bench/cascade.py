@@ -299,20 +299,7 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             answer = await _source_turn(source, source_model, baseline, baseline_model, messages, salt, i + 1, turns)
             if lmcache:
                 await _turn(lm_source, lmcache[1], messages, ANSWER_TOKENS, None, f"{salt}-{LMCACHE}")
-            # the same turn under other salts (greedy: the same answer), so that the conversation is stored again
-            # for each way that reads a copy of its own (one salt would make it a prefix-cache hit)
-            for way in COPIES:
-                if way == "prewarmed":
-                    before = await asyncio.to_thread(metric, target_url, REQUESTS)
-                await _turn(source, source_model, messages, ANSWER_TOKENS, {PREWARM: way == "prewarmed"},
-                            f"{salt}-{way}")
-            # the prewarm request is the target's: the escalation waits for it (it would run beside a way's turn)
-            wait_start, landed = time.perf_counter(), False
-            while not landed and time.perf_counter() - wait_start < PREWARM_WAIT_S:
-                landed = await asyncio.to_thread(metric, target_url, REQUESTS) > before
-                if not landed:
-                    await asyncio.sleep(0.02)
-            prewarm = {"prewarm_landed": landed, "prewarm_wait_ms": 1000 * (time.perf_counter() - wait_start)}
+            prewarm = await _store_copies(source, source_model, target_url, messages, salt)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
             # the escalated turn comes once the source's answer is out: its engine has stored the conversation's
             # blocks (a background thread) and gone idle (on a shared CPU its threads would slow the target)
@@ -322,41 +309,9 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             ways = random.Random(i).sample(all_ways, len(all_ways))
             row = {}
             for way in ways:
-                params = {"kvbridge": "native" if way == "native" else "mapped",
-                          "kvbridge_store": {"warm": True, "folder": "folder", "whole": True, "remap": "source",
-                                             "prewarmed": True, LMCACHE: True}.get(way, False),
-                          "kvbridge_native_rest": 0 if way == "whole" else native_rest}
                 # the lmcache way is the second pair's target, reading what its source stored through LMCache
-                way_client, way_model, way_url = (lm_target, lmcache[3], lmcache[2]) if way == LMCACHE else \
-                    (target, target_model, target_url)
-                before = await asyncio.to_thread(counters, way_url)
-                # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies';
-                # the others keep their own so that no way reads another's blocks from the target's prefix cache
-                ttft, _, tokens, _ = await _turn(way_client, way_model, messages, new_tokens, params,
-                                                 salt if way == "warm" else f"{salt}-{way}")
-                row[way] = (ttft, tokens)
-                # streamed responses carry no kv_transfer_params: the server's counters say what the connector did
-                after = await _settled(way_url, before)
-                delta = {m: after.get(m, 0.0) - before.get(m, 0.0) for m in after}
-                row[f"{way}_connector_ms"] = 1000 * delta.get(MAP_SECONDS, 0.0)
-                row[f"{way}_write_ms"] = 1000 * delta.get(WRITE_SECONDS, 0.0)
-                phases = _read_phases(before, after)
-                if phases:  # (the ways that read a stored prefix: kvbridge_read_ms, from /metrics)
-                    row[f"{way}_read_ms"] = phases
-                if way == "native":  # the same request again: the history is in the target's prefix cache
-                    row["cached_ms"] = (await _turn(target, target_model, messages, new_tokens, params,
-                                                    f"{salt}-native"))[0]
-                if way == "prewarmed":  # what the engine found in its prefix cache (the connector loaded the rest)
-                    row["prewarmed_cached_tokens"] = delta.get(CACHE_HITS, 0.0)
-                if way == "warm":
-                    row["stored_tokens"] = delta.get(STORED, 0.0)
-                    row["premapped_tokens"] = delta.get(PREMAPPED, 0.0)
-                    row["hot_tokens"] = delta.get(HOT, 0.0)
-                    row["prompt_tokens"] = await _prompt_tokens(target, target_model, messages)
-                if way == LMCACHE:
-                    row["lmcache_stored_tokens"] = delta.get(STORED, 0.0)
-                    # the prefix the target did not compute (loaded by the connector, or a prefix-cache hit)
-                    row["lmcache_loaded_tokens"] = delta.get(LOADED, 0.0) + delta.get(HITS, 0.0)
+                server = (lm_target, lmcache[3], lmcache[2]) if way == LMCACHE else (target, target_model, target_url)
+                row |= await _escalate(way, server, messages, new_tokens, native_rest, salt)
             if lmcache:
                 # the cold path at the lmcache way's split (untimed): a fresh source prefill of the prefix the way
                 # loaded, mapped, the rest computed by the target — what the way must answer, if LMCache's K/V are
@@ -382,6 +337,58 @@ async def _escalations(source_url, source_model, target_url, target_model, texts
             if c is not None:
                 await c.close()
     return results
+
+
+async def _store_copies(source, source_model: str, target_url: str, messages: list[dict], salt: str) -> dict:
+    """The source's last turn again under other salts (greedy: the same answer), so that the conversation is stored
+    again for each way that reads a copy of its own (one salt would make it a prefix-cache hit); the prewarmed copy
+    asks the target to load it ahead, and the escalation waits for that request (it would run beside a way's turn):
+    whether it landed and how long that took."""
+    for way in COPIES:
+        if way == "prewarmed":
+            before = await asyncio.to_thread(metric, target_url, REQUESTS)
+        await _turn(source, source_model, messages, ANSWER_TOKENS, {PREWARM: way == "prewarmed"}, f"{salt}-{way}")
+    wait_start, landed = time.perf_counter(), False
+    while not landed and time.perf_counter() - wait_start < PREWARM_WAIT_S:
+        landed = await asyncio.to_thread(metric, target_url, REQUESTS) > before
+        if not landed:
+            await asyncio.sleep(0.02)
+    return {"prewarm_landed": landed, "prewarm_wait_ms": 1000 * (time.perf_counter() - wait_start)}
+
+
+async def _escalate(way: str, server: tuple, messages: list[dict], new_tokens: int, native_rest: int,
+                    salt: str) -> dict:
+    """One way's escalated turn on ``server`` (client, model, URL): its TTFT and tokens, and what the server's
+    counters say its connector did (streamed responses carry no kv_transfer_params)."""
+    client, model, url = server
+    params = {"kvbridge": "native" if way == "native" else "mapped",
+              "kvbridge_store": {"warm": True, "folder": "folder", "whole": True, "remap": "source",
+                                 "prewarmed": True, LMCACHE: True}.get(way, False),
+              "kvbridge_native_rest": 0 if way == "whole" else native_rest}
+    before = await asyncio.to_thread(counters, url)
+    # warm shares the source's salt (its stored blocks are keyed by it), whole and remap their copies'; the others
+    # keep their own so that no way reads another's blocks from the target's prefix cache
+    ttft, _, tokens, _ = await _turn(client, model, messages, new_tokens, params,
+                                     salt if way == "warm" else f"{salt}-{way}")
+    after = await _settled(url, before)
+    delta = {m: after.get(m, 0.0) - before.get(m, 0.0) for m in after}
+    row = {way: (ttft, tokens), f"{way}_connector_ms": 1000 * delta.get(MAP_SECONDS, 0.0),
+           f"{way}_write_ms": 1000 * delta.get(WRITE_SECONDS, 0.0)}
+    phases = _read_phases(before, after)
+    if phases:  # (the ways that read a stored prefix: kvbridge_read_ms, from /metrics)
+        row[f"{way}_read_ms"] = phases
+    if way == "native":  # the same request again: the history is in the target's prefix cache
+        row["cached_ms"] = (await _turn(client, model, messages, new_tokens, params, f"{salt}-native"))[0]
+    if way == "prewarmed":  # what the engine found in its prefix cache (the connector loaded the rest)
+        row["prewarmed_cached_tokens"] = delta.get(CACHE_HITS, 0.0)
+    if way == "warm":
+        row |= {"stored_tokens": delta.get(STORED, 0.0), "premapped_tokens": delta.get(PREMAPPED, 0.0),
+                "hot_tokens": delta.get(HOT, 0.0), "prompt_tokens": await _prompt_tokens(client, model, messages)}
+    if way == LMCACHE:
+        row["lmcache_stored_tokens"] = delta.get(STORED, 0.0)
+        # the prefix the target did not compute (loaded by the connector, or a prefix-cache hit)
+        row["lmcache_loaded_tokens"] = delta.get(LOADED, 0.0) + delta.get(HITS, 0.0)
+    return row
 
 
 async def _floor(url: str, model: str, count: int = 9) -> float:
@@ -447,62 +454,9 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
         texts = conversation_texts(tokenizer, conversations + warmup, h, seed=h, question_tokens=question_tokens)
         results = asyncio.run(_escalations(source_url, source_model, target_url, target_model, texts, warmup,
                                            new_tokens, native_rest, progress, baseline_url, baseline_model, lmcache))
-        native = [r["native"][1] for r in results]
-        med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
-        med["cached"] = statistics.median(r["cached_ms"] for r in results)
-        lengths = [r["prompt_tokens"] for r in results]
-        n = len(results)
-
-        def same(a: str, b: str) -> float:
-            return sum(r[a][1] == r[b][1] for r in results) / n
-
-        def first(way: str) -> float:
-            return sum(r[way][1][:1] == ref[:1] for r, ref in zip(results, native)) / n
-
-        def tokens(way: str) -> float:
-            return statistics.mean(_agreement(r[way][1], ref) for r, ref in zip(results, native))
-
-        def connector(way: str) -> float:
-            return statistics.median(r[f"{way}_connector_ms"] for r in results)
-
-        rows.append(CascadeRow(
-            history_tokens=int(statistics.median(lengths)), conversations=n,
-            native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
-            cached_ttft_ms=med["cached"], folder_ttft_ms=med["folder"], whole_ttft_ms=med["whole"],
-            remap_ttft_ms=med["remap"], warm_speedup=med["native"] / med["warm"],
-            folder_speedup=med["native"] / med["folder"], whole_speedup=med["native"] / med["whole"],
-            remap_speedup=med["native"] / med["remap"], ceiling_speedup=med["native"] / med["cached"],
-            cold_speedup=med["native"] / med["cold"],
-            warm_connector_ms=connector("warm"), folder_connector_ms=connector("folder"),
-            whole_connector_ms=connector("whole"),
-            remap_connector_ms=connector("remap"), cold_connector_ms=connector("cold"), native_rest=native_rest,
-            stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
-            premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
-            hot_fraction=statistics.median(r["hot_tokens"] / t for r, t in zip(results, lengths)),
-            native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
-            whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
-            warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
-            cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
-            whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"),
-            prewarmed_ttft_ms=med["prewarmed"], prewarmed_speedup=med["native"] / med["prewarmed"],
-            prewarmed_connector_ms=connector("prewarmed"), prewarmed_equals_warm=same("prewarmed", "warm"),
-            prewarmed_cached_fraction=statistics.median(r["prewarmed_cached_tokens"] / t
-                                                        for r, t in zip(results, lengths)),
-            prewarm_landed=sum(r["prewarm_landed"] for r in results) / n,
-            prewarm_wait_ms=statistics.median(r["prewarm_wait_ms"] for r in results), **_source_cost(results),
-            **(_lmcache_figures(results, lengths, med["native"]) if lmcache else {})))
+        rows.append(_cascade_row(results, native_rest, bool(lmcache)))
         ways = WAYS + ((LMCACHE,) if lmcache else ())
-        raw[str(h)] = [{w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in ways} | {"cached_ttft_ms": r["cached_ms"]} |
-                       {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens",
-                                          "prewarmed_cached_tokens", "prewarm_landed", "prewarm_wait_ms")} |
-                       {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in ways if w != "native"
-                        for name in ("connector", "write")} |
-                       {f"{w}_read_ms": r[f"{w}_read_ms"] for w in ways if f"{w}_read_ms" in r} |
-                       ({"lmcache_cold": {"tokens": r["lmcache_cold"]}, "lmcache_stored_tokens":
-                         r["lmcache_stored_tokens"], "lmcache_loaded_tokens": r["lmcache_loaded_tokens"]}
-                        if lmcache else {}) |
-                       ({"source_turns": r["source_turns"]} if r["source_turns"] else {})
-                       for r in results]
+        raw[str(h)] = [_raw_conversation(r, ways, bool(lmcache)) for r in results]
     report = {"source_url": source_url, "target_url": target_url, "baseline_url": baseline_url,
               "warmup_conversations": warmup,
               "engine_floor_ms": floor, "native_rest": native_rest, "question_tokens": question_tokens,
@@ -511,6 +465,67 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
     if lmcache:
         report |= {"lmcache_source_url": lmcache[0], "lmcache_target_url": lmcache[2]}
     return report | {"per_conversation": per_conversation(report)}
+
+
+def _cascade_row(results: list[dict], native_rest: int, lmcache: bool) -> CascadeRow:
+    """One history length's row: medians per way, speed-ups over native, the stored shares and token agreement."""
+    native = [r["native"][1] for r in results]
+    med = {w: statistics.median(r[w][0] for r in results) for w in WAYS}
+    med["cached"] = statistics.median(r["cached_ms"] for r in results)
+    lengths = [r["prompt_tokens"] for r in results]
+    n = len(results)
+
+    def same(a: str, b: str) -> float:
+        return sum(r[a][1] == r[b][1] for r in results) / n
+
+    def first(way: str) -> float:
+        return sum(r[way][1][:1] == ref[:1] for r, ref in zip(results, native)) / n
+
+    def tokens(way: str) -> float:
+        return statistics.mean(_agreement(r[way][1], ref) for r, ref in zip(results, native))
+
+    def connector(way: str) -> float:
+        return statistics.median(r[f"{way}_connector_ms"] for r in results)
+
+    return CascadeRow(
+        history_tokens=int(statistics.median(lengths)), conversations=n,
+        native_ttft_ms=med["native"], warm_ttft_ms=med["warm"], cold_ttft_ms=med["cold"],
+        cached_ttft_ms=med["cached"], folder_ttft_ms=med["folder"], whole_ttft_ms=med["whole"],
+        remap_ttft_ms=med["remap"], warm_speedup=med["native"] / med["warm"],
+        folder_speedup=med["native"] / med["folder"], whole_speedup=med["native"] / med["whole"],
+        remap_speedup=med["native"] / med["remap"], ceiling_speedup=med["native"] / med["cached"],
+        cold_speedup=med["native"] / med["cold"],
+        warm_connector_ms=connector("warm"), folder_connector_ms=connector("folder"),
+        whole_connector_ms=connector("whole"),
+        remap_connector_ms=connector("remap"), cold_connector_ms=connector("cold"), native_rest=native_rest,
+        stored_fraction=statistics.median(r["stored_tokens"] / t for r, t in zip(results, lengths)),
+        premapped_fraction=statistics.median(r["premapped_tokens"] / t for r, t in zip(results, lengths)),
+        hot_fraction=statistics.median(r["hot_tokens"] / t for r, t in zip(results, lengths)),
+        native_fraction=statistics.median(1 - r["stored_tokens"] / t for r, t in zip(results, lengths)),
+        whole_equals_cold=same("whole", "cold"), remap_equals_warm=same("remap", "warm"),
+        warm_first_token_agreement=first("warm"), whole_first_token_agreement=first("whole"),
+        cold_first_token_agreement=first("cold"), warm_token_agreement=tokens("warm"),
+        whole_token_agreement=tokens("whole"), cold_token_agreement=tokens("cold"),
+        prewarmed_ttft_ms=med["prewarmed"], prewarmed_speedup=med["native"] / med["prewarmed"],
+        prewarmed_connector_ms=connector("prewarmed"), prewarmed_equals_warm=same("prewarmed", "warm"),
+        prewarmed_cached_fraction=statistics.median(r["prewarmed_cached_tokens"] / t
+                                                    for r, t in zip(results, lengths)),
+        prewarm_landed=sum(r["prewarm_landed"] for r in results) / n,
+        prewarm_wait_ms=statistics.median(r["prewarm_wait_ms"] for r in results), **_source_cost(results),
+        **(_lmcache_figures(results, lengths, med["native"]) if lmcache else {}))
+
+
+def _raw_conversation(r: dict, ways: tuple[str, ...], lmcache: bool) -> dict:
+    """One conversation's figures as the report keeps them: every way's TTFT and tokens, the stored shares, the
+    connector's times, the LMCache pair's and the source's turns when there are any."""
+    return ({w: {"ttft_ms": r[w][0], "tokens": r[w][1]} for w in ways} | {"cached_ttft_ms": r["cached_ms"]} |
+            {k: r[k] for k in ("prompt_tokens", "stored_tokens", "premapped_tokens", "hot_tokens",
+                               "prewarmed_cached_tokens", "prewarm_landed", "prewarm_wait_ms")} |
+            {f"{w}_{name}_ms": r[f"{w}_{name}_ms"] for w in ways if w != "native" for name in ("connector", "write")} |
+            {f"{w}_read_ms": r[f"{w}_read_ms"] for w in ways if f"{w}_read_ms" in r} |
+            ({"lmcache_cold": {"tokens": r["lmcache_cold"]}, "lmcache_stored_tokens": r["lmcache_stored_tokens"],
+              "lmcache_loaded_tokens": r["lmcache_loaded_tokens"]} if lmcache else {}) |
+            ({"source_turns": r["source_turns"]} if r["source_turns"] else {}))
 
 
 def _lmcache_figures(results: list[dict], lengths: list[int], native_ms: float) -> dict:
