@@ -212,6 +212,18 @@ def skip_positions(limit: int):
     return draw
 
 
+def _resume(state: dict, model, opt, sched, rows: Rows) -> tuple:
+    """Restore a saved training state (:func:`train`'s ``save``) into the model, optimiser, schedule and row
+    sampler: (copy accuracy, steps since the alphabet grew, loss EMA, first step, seconds already spent)."""
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    rows.rng.setstate(state["rows_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    rows.alphabet = state["alphabet"]
+    return state["copy_acc"], state["since"], state["ema"], state["step"], state["seconds"]
+
+
 def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, probe, teacher=None, tag="",
           log_every: int = 100, until_alphabet: int | None = None, shapes=None, autocast=None, resume=None,
           save=None, save_every: int = 100, grow_after: int | None = None, positions=None):
@@ -234,13 +246,7 @@ def train(model, rows: Rows, steps: int, lr: float, batch: int, curriculum, prob
     model.train()
     start, ema, copy_acc, since, first, earlier = time.time(), None, None, 0, 0, 0.0
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        opt.load_state_dict(resume["opt"])
-        sched.load_state_dict(resume["sched"])
-        rows.rng.setstate(resume["rows_rng"])
-        torch.set_rng_state(resume["torch_rng"])
-        rows.alphabet, copy_acc, since, ema = resume["alphabet"], resume["copy_acc"], resume["since"], resume["ema"]
-        first, earlier = resume["step"], resume["seconds"]
+        copy_acc, since, ema, first, earlier = _resume(resume, model, opt, sched, rows)
         log(f"{tag} resumes at step {first}/{steps}")
     device = next(model.parameters()).device
     cast = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast else contextlib.nullcontext
@@ -381,7 +387,7 @@ def best_layers(target, k: int, ids: torch.Tensor) -> tuple[int, ...]:
     return best
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "checkpoints"))
     parser.add_argument("--data-out", default=str(Path(__file__).parents[1] / "data"))
@@ -395,7 +401,11 @@ def main(argv=None) -> None:
     parser.add_argument("--continue-from", help="a previous run's checkpoints folder: keep training its target "
                         "(its tokenizer, no copy phase, CONTINUE_MIX, --lr), then prune and distil a new source")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the target's main phase")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
     t0 = time.time()

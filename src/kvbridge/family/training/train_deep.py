@@ -195,9 +195,7 @@ def run_stage(role: str, stage: str, model, args, streams, work: Path, progress:
     return {"steps": steps, "lr": lr, "seed": seed, "seconds": round(seconds), "alphabet": rows.alphabet}
 
 
-def main(argv=None) -> None:
-    from transformers import Ministral3ForCausalLM
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="deep-work", help="resumable state: loop checkpoints, finished stages")
     parser.add_argument("--out", default=str(DEEP), help="where the finished family goes")
@@ -220,7 +218,13 @@ def main(argv=None) -> None:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--probe", nargs="+", metavar="MODEL",
                         help="print each checkpoint folder's recall by position (position_probe) and exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    from transformers import Ministral3ForCausalLM
+
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     work, progress_path, progress = work_state(args.work)
 

@@ -53,9 +53,7 @@ STAGES = ("distil", "long")
 SEED = 30
 
 
-def main(argv=None) -> None:
-    from transformers import Ministral3ForCausalLM
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="pruned-work", help="resumable state: loop checkpoints, finished stages")
     parser.add_argument("--out", default=str(PRUNED), help="where the source and family.json go")
@@ -67,7 +65,33 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--save-every", type=int, default=50)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _pruned_source(target, train_stream, frequent, work: Path, progress: dict, progress_path):
+    """The source pruned from ``target`` (its best layers, narrowed), or the one an earlier run of this folder
+    pruned: (source, kept target layers)."""
+    from transformers import Ministral3ForCausalLM
+
+    layers, hidden, mlp, _ = SHAPES["source"]  # prune gives the source its RoPE (the deep source's)
+    if "prune" in progress and (work / "source").exists():
+        return Ministral3ForCausalLM.from_pretrained(work / "source"), progress["prune"]["layers"]
+    torch.manual_seed(SEED)
+    calib = Rows(train_stream, frequent, SEED, alphabet=len(frequent)).batch(32, DISTILL_MIX)[0]
+    started = time.time()
+    keep = best_layers(target, layers, calib)
+    source = prune(target, keep, hidden, mlp, calib)
+    progress["prune"] = {"layers": list(keep), "hidden": hidden, "mlp": mlp,
+                         "rope": dict(source.config.rope_parameters), "seconds": round(time.time() - started)}
+    source.save_pretrained(work / "source")
+    _write_json(progress, progress_path)
+    return source, keep
+
+
+def main(argv=None) -> None:
+    from transformers import Ministral3ForCausalLM
+
+    args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     work, progress_path, progress = work_state(args.work)
 
@@ -80,19 +104,7 @@ def main(argv=None) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     layers, hidden, mlp, _ = SHAPES["source"]  # prune gives the source its RoPE (the deep source's)
-    if "prune" in progress and (work / "source").exists():
-        source = Ministral3ForCausalLM.from_pretrained(work / "source")
-        keep = progress["prune"]["layers"]
-    else:
-        torch.manual_seed(SEED)
-        calib = Rows(train_stream, frequent, SEED, alphabet=len(frequent)).batch(32, DISTILL_MIX)[0]
-        started = time.time()
-        keep = best_layers(target, layers, calib)
-        source = prune(target, keep, hidden, mlp, calib)
-        progress["prune"] = {"layers": list(keep), "hidden": hidden, "mlp": mlp,
-                             "rope": dict(source.config.rope_parameters), "seconds": round(time.time() - started)}
-        source.save_pretrained(work / "source")
-        _write_json(progress, progress_path)
+    source, keep = _pruned_source(target, train_stream, frequent, work, progress, progress_path)
     for i, stage in enumerate(STAGES):
         if stage in progress:
             continue
