@@ -76,7 +76,7 @@ def bridge(pair):
     # one token held back and 4 % recomputed (not the defaults' 256 and none): on these 256-token rows the default
     # hold-back would leave the map almost nothing to do, and the selective recompute is what several tests exercise
     config = FitConfig(num_texts=16, seq_len=256, stride=2, heldout_texts=0, batch_size=8, tune_steps=20,
-                       hold_back=1, recompute=0.04)
+                       mlp_steps=300, hold_back=1, recompute=0.04)
     mapper = fit_mapper(source, target, family.calibration_texts(), config, progress=False)
     return Bridge(source, target, mapper)
 

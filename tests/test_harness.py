@@ -39,7 +39,7 @@ def fitted(pair, tmp_path_factory):
 
     source, target = pair
     out = tmp_path_factory.mktemp("harness") / "mapper"
-    config = FitConfig(num_texts=8, seq_len=256, heldout_texts=0, tune_steps=20)
+    config = FitConfig(num_texts=8, seq_len=256, heldout_texts=0, tune_steps=20, mlp_steps=50)  # a few seconds
     fit_mapper(source, target, family.calibration_texts(), config,
                progress=False).save_pretrained(out)
     return str(out)

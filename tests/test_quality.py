@@ -22,9 +22,10 @@ def pair():
 @pytest.fixture(scope="module")
 def bridge(pair):
     source, target = pair
+    # a runtime the short test rows leave work for
     mapper = fit_mapper(source, target, family.calibration_texts(),
-                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, tune_steps=20, hold_back=1,
-                                  recompute=0.04), progress=False)  # a runtime the short test rows leave work for
+                        FitConfig(num_texts=8, seq_len=128, heldout_texts=0, tune_steps=20, mlp_steps=50,
+                                  hold_back=1, recompute=0.04), progress=False)
     return Bridge(source, target, mapper)
 
 
@@ -400,7 +401,7 @@ def test_bigram_recompute_round_trips_and_needs_no_source_logits(pair, tmp_path,
     source, target = pair
     mapper = fit_mapper(source, target, family.calibration_texts(),
                         FitConfig(num_texts=8, seq_len=128, heldout_texts=0, recompute=0.1, recompute_by="bigram",
-                                  tune_steps=20),
+                                  tune_steps=20, mlp_steps=50),
                         progress=False)
     mapper.save_pretrained(tmp_path / "m")
     loaded = Mapper.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
