@@ -171,7 +171,8 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     from transformers import AutoTokenizer
 
     from kvbridge import family
-    from kvbridge.serving.bench.cascade import cascade_table, run_cascade_bench
+    from kvbridge.serving.bench.cascade import run_cascade_bench
+    from kvbridge.serving.bench.cascade_report import cascade_table
 
     tokenizer = AutoTokenizer.from_pretrained(family.target_path())
     # the source server stands in as its own baseline here (the baseline's server is `serve-source --no-store`): this

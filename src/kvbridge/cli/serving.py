@@ -628,7 +628,7 @@ def _cascade_table_of(path: str) -> int:
     import json
 
     from ..core.outputs import write_text
-    from ..serving.bench.cascade import cascade_table, per_conversation
+    from ..serving.bench.cascade_report import cascade_table, per_conversation
 
     try:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -650,7 +650,8 @@ def _cmd_cascade_bench(args) -> int:
     import openai
     from transformers import AutoTokenizer
 
-    from ..serving.bench.cascade import cascade_table, launched_pair, run_cascade_bench, write_cascade
+    from ..serving.bench.cascade import launched_pair, run_cascade_bench
+    from ..serving.bench.cascade_report import cascade_table, write_cascade
     from ..serving.launch import target_parallel
 
     if args.table:

@@ -135,7 +135,7 @@ def percentile(values: list[float], q: float) -> float:
 def summary(values: list[float], replicates: int = 2000, seed: int = 0) -> dict:
     """p50, p90, p99 of ``values`` and a 95 % bootstrap interval of each (``p90_interval``: [low, high]); the mean,
     min, max and count."""
-    from .cascade import resampled_interval
+    from .cascade_report import resampled_interval
 
     if not values:
         raise KVBridgeError("no values to summarize.")
