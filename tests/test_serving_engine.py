@@ -30,7 +30,7 @@ def engine(family_fast_mapper):
     cpu_defaults()
     here = str(Path(__file__).parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
-    from vllm import LLM
+    from conftest import in_process_llm
 
     from kvbridge import Bridge, Mapper, family
     from kvbridge.serving import ServeConfig, engine_kwargs
@@ -39,7 +39,7 @@ def engine(family_fast_mapper):
     kwargs = engine_kwargs(config, dtype="float32", max_model_len=2048, enforce_eager=True, block_size=128,
                            max_num_seqs=8)
     kwargs["kv_transfer_config"].update(kv_connector="FaultyConnector", kv_connector_module_path="serving_faults")
-    llm = LLM(**kwargs)
+    llm = in_process_llm(**kwargs)
     source, target = family.load_family()
     yield llm, config, Bridge(source, target, Mapper.from_pretrained(family_fast_mapper))
     del llm

@@ -18,7 +18,7 @@ from test_serving_engine import prompts, reference, run  # noqa: E402
 @pytest.fixture(scope="module")
 def engine(family_fast_mapper):
     """(llm, config, bridge): the family's target over two tensor-parallel workers, one thread each."""
-    from vllm import LLM
+    from conftest import in_process_llm
 
     from kvbridge import Bridge, Mapper, family
     from kvbridge.serving import ServeConfig, engine_kwargs
@@ -39,7 +39,7 @@ def engine(family_fast_mapper):
                 env.setenv(name, "")
                 env.delenv(name)
         cpu_defaults()
-        llm = LLM(**kwargs)
+        llm = in_process_llm(**kwargs)
     source, target = family.load_family()
     yield llm, config, Bridge(source, target, Mapper.from_pretrained(family_fast_mapper))
     del llm
