@@ -42,9 +42,9 @@ from pathlib import Path
 
 from ...errors import KVBridgeError
 from ..engine.config import PREWARM
+from .cascade_report import LMCACHE, WAYS, agreement, per_conversation
 from .ttft import CACHE_HITS, MAP_SECONDS, metric, parse_metrics
 
-WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
 # ways reading a stored copy of the conversation of their own (their salt); prewarmed's copy asks for prewarming
 COPIES = ("folder", "whole", "remap", "prewarmed")
 REQUESTS = "vllm:kvbridge_requests_total"  # the target's requests the connector saw (a prewarm is one)
@@ -56,9 +56,6 @@ WRITE_SECONDS = "vllm:kvbridge_write_seconds_total"  # of them, writing into the
 READ_SECONDS = "vllm:kvbridge_read_seconds_total"  # the loads that read a stored prefix, by phase
 LOADED = "vllm:prompt_tokens_by_source_total|external_kv_transfer"  # prompt tokens the connector loaded
 HITS = "vllm:prompt_tokens_by_source_total|local_cache_hit"  # prompt tokens found in the engine's prefix cache
-LMCACHE = "lmcache"  # the way through a second pair whose source stores through LMCache (cascade-bench --lmcache)
-# the connector's phases (kvbridge.serving.engine.connector.PHASES; not imported: that module imports vLLM)
-PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
 
 
 @dataclass
@@ -204,11 +201,6 @@ async def _turn(client, model: str, messages: list[dict], max_tokens: int, param
             tokens += list(getattr(chunk.choices[0], "token_ids", None) or [])
     end = time.perf_counter()
     return 1000 * ((first or end) - start), "".join(text), tokens, 1000 * (end - start)
-
-
-def _agreement(answer: list[int], reference: list[int]) -> float:
-    n = max(len(reference), 1)
-    return sum(a == b for a, b in zip(answer, reference)) / n
 
 
 async def _source_turn(source, source_model, baseline, baseline_model, messages, salt, order: int, turns: list):
@@ -463,8 +455,6 @@ def run_cascade_bench(source_url: str, source_model: str, target_url: str, targe
               "rows": [asdict(r) for r in rows], "conversations": raw}
     if lmcache:
         report |= {"lmcache_source_url": lmcache[0], "lmcache_target_url": lmcache[2]}
-    from .cascade_report import per_conversation
-
     return report | {"per_conversation": per_conversation(report)}
 
 
@@ -483,7 +473,7 @@ def _cascade_row(results: list[dict], native_rest: int, lmcache: bool) -> Cascad
         return sum(r[way][1][:1] == ref[:1] for r, ref in zip(results, native)) / n
 
     def tokens(way: str) -> float:
-        return statistics.mean(_agreement(r[way][1], ref) for r, ref in zip(results, native))
+        return statistics.mean(agreement(r[way][1], ref) for r, ref in zip(results, native))
 
     def connector(way: str) -> float:
         return statistics.median(r[f"{way}_connector_ms"] for r in results)
@@ -540,4 +530,4 @@ def _lmcache_figures(results: list[dict], lengths: list[int], native_ms: float) 
                                                           for r, t in zip(results, lengths)),
                 lmcache_equal_cold=equal, lmcache_equals_cold=equal / n,
                 lmcache_equals_folder=sum(r[LMCACHE][1] == r["folder"][1] for r in results) / n,
-                lmcache_token_agreement=statistics.mean(_agreement(r[LMCACHE][1], r["native"][1]) for r in results))
+                lmcache_token_agreement=statistics.mean(agreement(r[LMCACHE][1], r["native"][1]) for r in results))

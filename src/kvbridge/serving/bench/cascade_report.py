@@ -1,4 +1,4 @@
-"""The cascade benchmark's report: figures per conversation (paired differences and ratios with bootstrap
+"""The cascade benchmark's ways and report: figures per conversation (paired differences and ratios with bootstrap
 intervals, stalls, the connector's time by phase) and the markdown tables ``kvbridge cascade-bench`` writes beside
 its JSON. :mod:`kvbridge.serving.bench.cascade` runs the benchmark; this module only reads its report."""
 
@@ -9,7 +9,17 @@ import random
 import statistics
 from pathlib import Path
 
-from .cascade import LMCACHE, PHASES, WAYS, _agreement
+# the escalated turn's ways (cascade-bench's help says what each is); the lmcache way runs through a second pair
+WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
+LMCACHE = "lmcache"  # the way through a second pair whose source stores through LMCache (cascade-bench --lmcache)
+# the connector's phases (kvbridge.serving.engine.connector.PHASES; not imported: that module imports vLLM)
+PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
+
+
+def agreement(answer: list[int], reference: list[int]) -> float:
+    """The share of ``reference``'s tokens ``answer`` repeats, position by position."""
+    n = max(len(reference), 1)
+    return sum(a == b for a, b in zip(answer, reference)) / n
 
 
 def resampled_interval(values: list[float], replicates: int = 2000, seed: int = 0,
@@ -63,8 +73,8 @@ def per_conversation(report: dict) -> dict:
         # issue's quality bar: the switch keeps what the cold path keeps; a mean, the agreements being discrete)
         for way in ("warm", "prewarmed"):
             if rows and way in rows[0] and "tokens" in rows[0]["native"]:
-                diffs = [_agreement(r[way]["tokens"], r["native"]["tokens"])
-                         - _agreement(r["cold"]["tokens"], r["native"]["tokens"]) for r in rows]
+                diffs = [agreement(r[way]["tokens"], r["native"]["tokens"])
+                         - agreement(r["cold"]["tokens"], r["native"]["tokens"]) for r in rows]
                 entry[f"{way}_minus_cold_agreement"] = statistics.mean(diffs)
                 entry[f"{way}_minus_cold_agreement_interval"] = resampled_interval(diffs, statistic=statistics.mean)
         stalled, excess, turns = 0, 0.0, 0
