@@ -11,7 +11,8 @@ import time
 import pytest
 from test_store import BT, ME, fill
 
-from kvbridge.serving.store.folder import PREWARM_FILE, KVStore, chain, chain_seed
+from kvbridge.serving.store.folder import PREWARM_FILE, KVStore
+from kvbridge.serving.store.keys import chain, chain_seed
 from kvbridge.serving.store.prewarm import Prewarmer
 
 
@@ -48,8 +49,8 @@ def test_a_conversation_is_walked_back_from_its_last_block(tmp_path):
     assert store.conversation(tail, "tenant", 10) is None
     store.path(keys[1]).write_bytes(saved)
     assert store.conversation(tail, "tenant", 10) == ids
-    assert store.conversation(tail, "tenant", 10, identity_=ME) == ids
-    assert store.conversation(tail, "tenant", 10, identity_="another source") is None
+    assert store.conversation(tail, "tenant", 10, source_identity=ME) == ids
+    assert store.conversation(tail, "tenant", 10, source_identity="another source") is None
     moved = store.tail_path("ab" * 32)  # a tail under another parent's name: its name and its metadata disagree
     moved.parent.mkdir(parents=True, exist_ok=True)
     moved.write_bytes(tail.read_bytes())

@@ -127,7 +127,8 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
     # entries the scheduler counted that fail the worker's checks (the second block's source and mapped entries
     # corrupted in the two longer conversations, read from the folder: the copies in memory were checked before the
     # damage): the source maps from there, the new turn stays the target's
-    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore
+    from kvbridge.serving.store.keys import chain, chain_seed, folder_identity
 
     assert serve_source(source, prompts, salt="s-bad") == histories
     store = KVStore(engines[3])
@@ -145,7 +146,8 @@ def test_the_stored_path_answers_as_the_cold_path_whole_and_partial(engines):
 
 
 def test_refused_entries_are_counted_and_the_cold_path_answers(engines):
-    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore
+    from kvbridge.serving.store.keys import chain, chain_seed, folder_identity
 
     source, target, config, store_dir = engines
     history = serve_source(source, stream_prompts((600,), offset=70))[0]
@@ -192,7 +194,8 @@ def test_without_a_mapped_entry_the_target_maps_and_another_maps_entries_are_ref
     from safetensors import safe_open
     from safetensors.torch import load, save
 
-    from kvbridge.serving.store.folder import KVStore, chain, chain_seed, folder_identity
+    from kvbridge.serving.store.folder import KVStore
+    from kvbridge.serving.store.keys import chain, chain_seed, folder_identity
 
     source, target, config, store_dir = engines
     store = KVStore(store_dir)
@@ -235,7 +238,8 @@ def test_a_source_request_that_asks_is_announced_for_prewarm_once_stored(engines
     one that ended on a block boundary is announced by its last full block."""
     from vllm import SamplingParams
 
-    from kvbridge.serving.store.folder import KVStore, chain, chain_seed
+    from kvbridge.serving.store.folder import KVStore
+    from kvbridge.serving.store.keys import chain, chain_seed
 
     source, _, _, store_dir = engines
     store = KVStore(store_dir)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvbridge.errors import InputError
-from kvbridge.serving.store.folder import KVStore, chain, chain_seed, identity, next_key
+from kvbridge.serving.store.folder import KVStore
+from kvbridge.serving.store.keys import chain, chain_seed, identity, next_key
 
 L, H, D, S, BT = 2, 2, 4, 6, 8  # layers, kv heads, head dim, hidden, block tokens
 ME = identity("weights", "tok", L, H, D, S)
@@ -194,7 +195,7 @@ def test_stored_kv_of_another_shape_is_refused(family_bridge):
 def test_mapped_entries_are_read_per_map_and_refused_for_another(tmp_path):
     """Map-ahead entries sit beside the source's, keyed by the same chain and the map: another map's never match
     (another path), one whose metadata names another map is refused, a tail is read as far as the prompt shares."""
-    from kvbridge.serving.store.folder import map_identity
+    from kvbridge.serving.store.keys import map_identity
 
     store = KVStore(tmp_path, block_tokens=BT, create=True)
     ids = list(range(1, 20))

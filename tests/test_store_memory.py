@@ -8,8 +8,9 @@ import time
 import torch
 
 from kvbridge.serving.store import folder as store_module
-from kvbridge.serving.store.folder import KVStore, chain_seed, identity, map_identity, next_key
+from kvbridge.serving.store.folder import KVStore
 from kvbridge.serving.store.hot import HotEntries
+from kvbridge.serving.store.keys import chain_seed, identity, map_identity, next_key
 
 L, H, D, BT = 3, 2, 4, 8  # target layers, kv heads, head dim, block tokens
 ME = identity("weights", "tok", 2, 2, 4, 6)

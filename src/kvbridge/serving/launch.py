@@ -297,7 +297,8 @@ def start_prewarmer(config: ServeConfig, host: str, port: int, served_name: str,
     for the store and for the server to answer)."""
     from vllm.logger import init_logger
 
-    from .store.folder import STORE_FILE, KVStore, folder_identity
+    from .store.folder import STORE_FILE, KVStore
+    from .store.keys import folder_identity
     from .store.prewarm import Prewarmer
 
     logger = init_logger("vllm.kvbridge")

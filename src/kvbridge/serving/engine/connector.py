@@ -317,7 +317,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._lmcache = self._lmcache_source(vllm_config, reads=False)
         elif self.config.store:  # the scheduler counts how much of a prompt is stored (no weights loaded)
             try:
-                from ..store.folder import folder_identity
+                from ..store.keys import folder_identity
 
                 self._identity = folder_identity(self.config.source)
             except Exception as exc:  # the store is an optimization: every prompt token is then loaded
@@ -364,13 +364,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
                                "--recompute 0", bridge.recompute_by)
         if self.config.store:
             from ...core.models import source_hidden_size
-            from ..store.folder import identity
+            from ..store.keys import identity
 
             info = bridge.source.info
             self._identity = identity(info.weights_sha256, info.tokenizer_sha256, info.num_layers, info.num_kv_heads,
                                       info.head_dim, source_hidden_size(bridge.source.model))
             from ...core.artifact import CHECKSUMS_FILE
-            from ..store.folder import map_identity, target_description
+            from ..store.keys import map_identity, target_description
 
             checksums = (Path(self.config.mapper) / CHECKSUMS_FILE).read_text(encoding="utf-8")
             self._map_id = map_identity(self._identity, checksums, target_description(bridge.target.info),
@@ -502,7 +502,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             try:  # the store is an optimization: whatever goes wrong with it, the cold path answers
                 store = self.store()
                 if store is not None:
-                    from ..store.folder import all_finite, chain_seed
+                    from ..store.folder import all_finite
+                    from ..store.keys import chain_seed
 
                     seed, ahead = chain_seed(self._identity, salt), None
                     if use_store in (True, "folder"):  # the blocks mapped ahead, read once ("source": ignored)
@@ -744,7 +745,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             store = self.store()
             if store is None:
                 return end
-            from ..store.folder import chain_seed
+            from ..store.keys import chain_seed
 
             limit, stored = self._counted.get(request.request_id, (None, 0))
             if limit != end:

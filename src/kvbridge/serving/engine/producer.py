@@ -40,7 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ...errors import UnsupportedModelError
-from ..store.folder import KVStore, chain_seed, folder_identity, map_identity, next_key
+from ..store.folder import KVStore, RefusedEntry
+from ..store.keys import chain_seed, folder_identity, map_identity, next_key
 from .config import PREWARM, USE_STORE, StoreConfig
 from .idle import StepClock, single_threaded
 
@@ -104,7 +105,7 @@ def map_ahead(config: StoreConfig, source_dir: str, source_identity: str, device
     from ...core.artifact import CHECKSUMS_FILE
     from ...core.mapper import Mapper
     from ...core.models import load_rope_model, resolve_dtype
-    from ..store.folder import target_description
+    from ..store.keys import target_description
     from .config import check_map_ahead
 
     check_map_ahead(config.mapper)
@@ -541,8 +542,11 @@ class KVBridgeSourceConnector(KVConnectorBase_V1):
         if lag:
             before = self._lag_tails.get(parent)
             if before is None:
-                got = self.store.get(self.store.path(parent), self.identity, None)
-                before = (got["key"], got["value"], got["hidden"]) if isinstance(got, dict) else None
+                try:
+                    got = self.store.get(self.store.path(parent), self.identity, None)
+                except RefusedEntry:
+                    got = None
+                before = None if got is None else (got["key"], got["value"], got["hidden"])
             if before is None:
                 logger.info("kvbridge source connector: a block is not mapped ahead (the block before it, whose "
                             "tokens its lags read, is gone); the target maps it")

@@ -51,12 +51,9 @@ from pathlib import Path
 
 import torch
 
-from ...core.hashing import sha256_bytes, sha256_json
-from ...errors import InputError, UnsupportedModelError
+from ...errors import InputError
+from .keys import FORMAT, MAPPED_FORMAT, VERSION, chain_seed, mapped_suffix, next_key
 
-FORMAT = "kvbridge-source-kv"
-MAPPED_FORMAT = "kvbridge-mapped-kv"  # a block's target K/V, mapped ahead by the source engine (map-ahead)
-VERSION = 1
 STORE_FILE = "store.json"
 DEFAULT_CAP = 2 << 30  # 2 GiB
 RESCAN_WRITES = 64  # a writer recounts the folder this often (other writers' entries count against the cap too)
@@ -66,63 +63,10 @@ PREWARM_FILE = "prewarm.journal"  # conversations a source asked the target's se
 JOURNAL_BYTES = 1 << 20  # beyond, the next writer starts a new journal (a reader then reads that one from its start)
 
 
-def identity(weights_sha256: str | None, tokenizer_sha256: str, num_layers: int, num_kv_heads: int, head_dim: int,
-             hidden_size: int) -> str:
-    """The source model an entry belongs to: its weights and tokenizer fingerprints, its KV geometry and this
-    store's format. Entries of another model, revision, tokenizer or format never match."""
-    return sha256_json({"format": FORMAT, "version": VERSION, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
-                        "geometry": [num_layers, num_kv_heads, head_dim, hidden_size]})[:32]
 
-
-def folder_identity(local_dir: str) -> str:
-    """The store identity of the checkpoint in ``local_dir`` from its files (no weights loaded)."""
-    from transformers import AutoTokenizer
-
-    from ...core.models import text_config, tokenizer_fingerprint, weights_fingerprint
-
-    config, _ = text_config(local_dir)
-    weights = weights_fingerprint(local_dir)
-    if weights is None:
-        raise UnsupportedModelError(f"kvbridge source connector: {local_dir} holds no model*.safetensors, so its "
-                                    "weights cannot be told apart from another checkpoint's; convert it to "
-                                    "safetensors.")
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return identity(weights, tokenizer_fingerprint(AutoTokenizer.from_pretrained(local_dir)),
-                    int(config.num_hidden_layers), heads, head_dim, int(config.hidden_size))
-
-
-def map_identity(source_identity: str, mapper_checksums: str, target: dict, dtype: torch.dtype) -> str:
-    """The map a mapped entry holds: the source's store identity, the mapper's checksums file (its weights and
-    mapper.json: selection, levers, both models' fingerprints and RoPE), the target's KV geometry and RoPE as the
-    mapping process read them (``target``) and the dtype the map ran in. Entries of another mapper, target or
-    dtype never match (a target connector mapping in another dtype maps for itself: warm stays equal to cold)."""
-    return sha256_json({"format": MAPPED_FORMAT, "version": VERSION, "source": source_identity,
-                        "mapper": mapper_checksums, "target": target, "dtype": str(dtype)})[:32]
-
-
-def target_description(info) -> dict:
-    """What of the target (a :class:`kvbridge.core.models.ModelInfo`) the mapped keys and values depend on beyond the
-    mapper: its KV geometry and RoPE."""
-    return {"geometry": [info.num_layers, info.num_kv_heads, info.head_dim], "rope": info.rope.to_dict()}
-
-
-def chain_seed(identity_: str, salt: str | None) -> str:
-    """The key of the (virtual) block before a prompt's first: the source's identity and the request's cache_salt."""
-    return sha256_json({"identity": identity_, "salt": salt or ""})
-
-
-def next_key(parent: str, ids: list[int]) -> str:
-    return sha256_bytes(parent.encode() + b"\0" + json.dumps(ids).encode())
-
-
-def chain(seed: str, ids: list[int], block_tokens: int) -> list[str]:
-    """Keys of every full block of ``ids``."""
-    keys, parent = [], seed
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        parent = next_key(parent, ids[start:start + block_tokens])
-        keys.append(parent)
-    return keys
+class RefusedEntry(Exception):
+    """An entry the store will not use (:meth:`KVStore.get`): another identity or format, another token block under
+    its key, torn, corrupted or inconsistent. Its message says which; a lookup counts it and stops there."""
 
 
 def _sections(data) -> tuple[dict, memoryview]:
@@ -130,11 +74,6 @@ def _sections(data) -> tuple[dict, memoryview]:
     view = memoryview(data)
     n = int.from_bytes(view[:8], "little")
     return json.loads(bytes(view[8:8 + n])), view[8 + n:]
-
-
-def mapped_suffix(map_id: str) -> str:
-    """How the file names of ``map_id``'s mapped entries end."""
-    return f".{map_id[:16]}.mapped.safetensors"
 
 
 def all_finite(tensors) -> bool:
@@ -252,12 +191,12 @@ class KVStore:
         return self.root / "entries" / key[:2] / f"{key}.safetensors"
 
     # -- writing ---------------------------------------------------------------------------------
-    def put(self, key: str, parent: str, identity_: str, ids: list[int], keys: torch.Tensor, values: torch.Tensor,
+    def put(self, key: str, parent: str, entry_identity: str, ids: list[int], keys: torch.Tensor, values: torch.Tensor,
             hidden: torch.Tensor | None, tail: bool = False, map_id: str | None = None) -> bool:
         """Write one block's entry atomically; False (nothing left behind) when it cannot be written. ``tail``: the
         partial block a request ended with, kept under its ``parent`` (the latest one wins). ``map_id``: the entry
         holds the block's target K/V mapped by that map (:func:`map_identity`; ``hidden`` None) beside its source
-        entry; ``identity_`` is then ``map_id``."""
+        entry; ``entry_identity`` is then ``map_id``."""
         from safetensors.torch import save
 
         path = self.mapped_path(parent if tail else key, map_id, tail) if map_id else \
@@ -272,7 +211,7 @@ class KVStore:
         if not map_id:
             tensors["hidden"] = hidden.contiguous()
         crc = zlib.crc32(_sections(save(tensors))[1])  # the data section does not depend on the metadata
-        meta = {"format": MAPPED_FORMAT if map_id else FORMAT, "version": str(VERSION), "identity": identity_,
+        meta = {"format": MAPPED_FORMAT if map_id else FORMAT, "version": str(VERSION), "identity": entry_identity,
                 "parent": parent, "key": key, "crc32": f"{crc:08x}"}
         data = save(tensors, metadata=meta)
         if not self._make_room(len(data)):  # before the entry lands: this writer never passes the cap, even briefly
@@ -369,17 +308,17 @@ class KVStore:
                 out.append((tail, salt, when))
         return out, cursor
 
-    def conversation(self, tail: Path, salt: str | None, max_blocks: int, identity_: str | None = None
+    def conversation(self, tail: Path, salt: str | None, max_blocks: int, source_identity: str | None = None
                      ) -> list[int] | None:
         """The token ids of the conversation whose last block is the source entry ``tail`` (a partial block's tail
         entry, or a full block's entry when the conversation ended on a block boundary): its chain walked back, entry
         by entry, to the seed of the source's identity and ``salt``; None when an entry is missing or does not chain
         (a tail's name is checked against its parent, each block's name and key against its parent and token ids),
-        when the entries are another source's than ``identity_`` (None: any), or past ``max_blocks``. Reads the
+        when the entries are another source's than ``source_identity`` (None: any), or past ``max_blocks``. Reads the
         entries' headers and token ids only."""
         meta, ids = self._header_ids(tail)
         if meta is None or meta.get("format") != FORMAT or \
-                (identity_ is not None and meta.get("identity") != identity_):
+                (source_identity is not None and meta.get("identity") != source_identity):
             return None
         last = meta.get("key")
         if tail.name != f"{meta.get('parent')}.tail.safetensors" and not (
@@ -496,11 +435,12 @@ class KVStore:
         return total
 
     # -- reading ---------------------------------------------------------------------------------
-    def get(self, path: Path, identity_: str, ids: list[int] | None, mapped: bool = False
-            ) -> dict[str, torch.Tensor] | str | None:
-        """One entry's tensors; None when absent; a reason (str) when the entry is refused. ``ids``: the token ids
-        it must hold (None: a tail, whose ids the caller compares). ``mapped``: a mapped entry (``identity_``: its
-        map identity)."""
+    def get(self, path: Path, expected: str, ids: list[int] | None, mapped: bool = False
+            ) -> dict[str, torch.Tensor] | None:
+        """One entry's tensors; None when absent. Raises :class:`RefusedEntry` (with the reason) for an entry it will
+        not use; a torn, corrupted or inconsistent one is also discarded. ``expected``: the identity it must carry
+        (the source's; for a mapped entry, ``mapped``, its map identity); ``ids``: the token ids it must hold (None: a
+        tail, whose ids the caller compares)."""
         from safetensors.torch import load
 
         try:
@@ -508,7 +448,7 @@ class KVStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            return f"unreadable entry ({exc.strerror or exc})"
+            raise RefusedEntry(f"unreadable entry ({exc.strerror or exc})") from exc
         try:
             header, data = _sections(raw)
             meta = header.get("__metadata__") or {}
@@ -516,27 +456,27 @@ class KVStore:
                 raise ValueError("the header's metadata is not an object")
         except (ValueError, UnicodeDecodeError, AttributeError):
             self.discard(path)
-            return "torn or not an entry (no safetensors header)"
+            raise RefusedEntry("torn or not an entry (no safetensors header)") from None
         if meta.get("format") != (MAPPED_FORMAT if mapped else FORMAT) or meta.get("version") != str(VERSION):
-            return f"another format ({meta.get('format')} {meta.get('version')})"
-        if meta.get("identity") != identity_:
-            return f"written by another {'map' if mapped else 'source model'} (identity differs)"
+            raise RefusedEntry(f"another format ({meta.get('format')} {meta.get('version')})")
+        if meta.get("identity") != expected:
+            raise RefusedEntry(f"written by another {'map' if mapped else 'source model'} (identity differs)")
         if self.verify and meta.get("crc32") != f"{zlib.crc32(data):08x}":
             self.discard(path)
-            return "corrupted (CRC-32 differs)"
+            raise RefusedEntry("corrupted (CRC-32 differs)")
         try:
             tensors = load(raw)
         except Exception as exc:  # safetensors raises its own error types for a malformed file
             self.discard(path)
-            return f"unreadable entry ({type(exc).__name__})"
+            raise RefusedEntry(f"unreadable entry ({type(exc).__name__})") from exc
         names = {"key", "value", "ids"} | (set() if mapped else {"hidden"})
         if set(tensors) != names or (ids is not None and tensors["ids"].tolist() != ids):
-            return "another token block under this key"
+            raise RefusedEntry("another token block under this key")
         n = tensors["ids"].numel()
         if tensors["key"].shape != tensors["value"].shape or tensors["key"].dim() != 4 or \
                 tensors["key"].shape[1] != n or (not mapped and tensors["hidden"].shape[0] != n):
             self.discard(path)
-            return "inconsistent shapes"
+            raise RefusedEntry("inconsistent shapes")
         try:
             os.utime(path)  # recently used: last to be evicted
         except OSError:
@@ -549,13 +489,13 @@ class KVStore:
         else): what a scheduler decides with before the worker reads (and checks) the entries."""
         from safetensors import safe_open
 
-        parent, start, bt = seed, 0, self.block_tokens
+        parent, start, size = seed, 0, self.block_tokens
         limit = min(limit, len(ids))
-        while start < limit and start + bt <= len(ids):
-            key = next_key(parent, ids[start:start + bt])
+        while start < limit and start + size <= len(ids):
+            key = next_key(parent, ids[start:start + size])
             if not self.path(key).exists():
                 break
-            parent, start = key, start + bt
+            parent, start = key, start + size
         if start < limit:
             try:
                 with safe_open(self.tail_path(parent), framework="pt") as handle:
@@ -565,51 +505,49 @@ class KVStore:
             start += _shared(stored, ids, start, limit)
         return min(start, limit)
 
-    def lookup(self, seed: str, identity_: str, ids: list[int], limit: int, map_id: str | None = None,
+    def lookup(self, seed: str, source_identity: str, ids: list[int], limit: int, map_id: str | None = None,
                hot=None) -> Found:
         """The longest stored prefix of ``ids`` within its first ``limit`` tokens: full blocks while they are
         stored, then the part of a request's final partial block (a tail) that matches; the first missing or
         refused entry ends it (the rest must be computed). ``map_id``: the mapped entries of that map along the
-        same chain (``seed`` and ``identity_`` stay the source's; ``hidden`` is then None); ``hot``: where a mapped
-        entry is first looked for (path -> its verified tensors or None:
+        same chain (``seed`` and ``source_identity`` stay the source's; ``hidden`` is then None); ``hot``: where a
+        mapped entry is first looked for (path -> its verified tensors or None:
         :class:`kvbridge.serving.store.hot.HotEntries`)."""
         found = Found(0)
-        parent = seed
-        bt = self.block_tokens
+        parent, start, size = seed, 0, self.block_tokens
         limit = min(limit, len(ids))
-        start = 0
         mapped = map_id is not None
+        expected = map_id if mapped else source_identity
 
-        def entry(path: Path, identity__: str, block: list[int] | None):
+        def entry(path: Path, block: list[int] | None) -> tuple[dict[str, torch.Tensor] | None, bool]:
+            """(the entry's tensors or None, whether they came from memory); records a refusal and returns None."""
             got = hot(path) if hot is not None and mapped else None
-            if got is None or (block is not None and got["ids"].tolist() != block):  # (not that block: the folder's)
-                return self.get(path, identity__, block, mapped), False
-            return got, True
+            if got is not None and (block is None or got["ids"].tolist() == block):
+                return got, True
+            try:  # (not in memory, or not that block there: the folder's)
+                return self.get(path, expected, block, mapped), False
+            except RefusedEntry as refused:
+                found.refused, found.reason = 1, str(refused)
+                return None, False
 
-        def take(got: dict[str, torch.Tensor], n: int, in_memory: bool) -> None:
+        def add(got: dict[str, torch.Tensor], n: int, in_memory: bool) -> None:
             found.parts.append((got["key"][:, :n], got["value"][:, :n], None if mapped else got["hidden"][:n],
                                 in_memory))
 
-        while start < limit and start + bt <= len(ids):  # a block's key needs all its tokens; it may pass the limit
-            block = ids[start:start + bt]
+        while start < limit and start + size <= len(ids):  # a block's key needs all its tokens; it may pass the limit
+            block = ids[start:start + size]
             key = next_key(parent, block)
-            got, in_memory = entry(self.mapped_path(key, map_id), map_id, block) if mapped else \
-                entry(self.path(key), identity_, block)
-            if isinstance(got, str):
-                found.refused, found.reason = 1, got
-            if not isinstance(got, dict):
+            got, in_memory = entry(self.mapped_path(key, map_id) if mapped else self.path(key), block)
+            if got is None:
                 break
-            take(got, min(bt, limit - start), in_memory)  # the last block may pass the limit
+            add(got, min(size, limit - start), in_memory)  # the last block may pass the limit
             found.chain.append(key)
-            parent, start = key, start + bt
+            parent, start = key, start + size
         if not found.refused and start < limit:
-            tail, in_memory = entry(self.mapped_path(parent, map_id, True), map_id, None) if mapped else \
-                entry(self.tail_path(parent), identity_, None)
-            if isinstance(tail, str):
-                found.refused, found.reason = 1, tail
-            elif tail is not None:
-                m = _shared(tail["ids"].tolist(), ids, start, limit)
-                if m:
-                    take(tail, m, in_memory)
+            tail, in_memory = entry(self.mapped_path(parent, map_id, True) if mapped else self.tail_path(parent), None)
+            if tail is not None:
+                shared = _shared(tail["ids"].tolist(), ids, start, limit)
+                if shared:
+                    add(tail, shared, in_memory)
         found.tokens = sum(p[0].shape[1] for p in found.parts)
         return found

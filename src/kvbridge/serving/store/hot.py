@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from ..engine.idle import Backoff, StepClock, single_threaded
-from .folder import all_finite, mapped_suffix
+from .folder import RefusedEntry, all_finite
+from .keys import mapped_suffix
 
 POLL_S = 0.05  # how often the journal is read while it grows ...
 IDLE_POLL_S = 0.5  # ... and, backing off, while it does not
@@ -92,8 +93,11 @@ class HotEntries:
         store = self.store()
         if store is None or not path.name.endswith(self.suffix):
             return False
-        got = store.get(path, self.map_id, None, mapped=True)
-        ok = isinstance(got, dict) and all_finite((got["key"], got["value"]))
+        try:
+            got = store.get(path, self.map_id, None, mapped=True)
+        except RefusedEntry:
+            got = None
+        ok = got is not None and all_finite((got["key"], got["value"]))
         size = _nbytes(got) if ok else 0
         with self._lock:
             old = self._entries.pop(path, None)  # written again under its key (a tail): the newer one, or none
