@@ -5,6 +5,11 @@ Ministral-3 checkpoints are multimodal (``Mistral3ForConditionalGeneration``). L
 text-only class "succeeds" with every weight left random, so we load the text config, map the
 language-model weight names onto the causal-LM names, skip the vision tower, and fail loudly if any
 decoder weight is missing.
+
+Why one module of ~650 lines: it is the only place that touches transformers' internals (loading, cache classes
+and their keyword, the decoder layers' signatures, rotary embeddings' call, logit transforms), so that a transformers
+upgrade is checked and fixed in one file; loading sits above, the forward internals (caches, prefill, single
+layers) below.
 """
 
 from __future__ import annotations
