@@ -42,7 +42,7 @@ def test_fit_peak_within_15_percent_of_the_plan(wide_pair, texts, levers):
 
 # The card's fit (500 × 1,024 tokens, stride 4, every source layer) measured on an NVIDIA H200 (bfloat16, random
 # weights; `python -m kvbridge.measure.bench_real --fit`, CUDA allocator peak beyond the models): statistics in host
-# memory (before they could live on the GPU) and on the GPU (the suite, docs/results/gpu/suite-run1.json)
+# memory (before they could live on the GPU) and on the GPU (the suite, docs/results/suite/suite-run1.json)
 MEASURED_PUBLISHED_FIT_GIB = {"host": 11.17, "device": 35.345}
 
 

@@ -309,7 +309,7 @@ def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
 
     from kvbridge.cli import main
 
-    saved = Path(__file__).parent.parent / "docs/results/serving/cascade-memory-plain-run3.json"
+    saved = Path(__file__).parent.parent / "docs/results/cascade-bench/cascade-memory-plain-run3.json"
     report = tmp_path / "r.json"
     shutil.copy(saved, report)
     assert main(["cascade-bench", "--table", str(report)]) == 0

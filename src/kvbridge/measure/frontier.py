@@ -232,7 +232,7 @@ DEEP_LEVERS = FrontierConfig(
 )
 # the deep family's bottleneck: `kvbridge diagnose --family deep --oracle` finds one target layer (3) whose native K/V
 # alone lift retention from about a quarter to nearly all; levers on its values as well as its keys, and with a wider
-# MLP, against kvbridge fit's defaults (a lever on the keys of the worst layer). (The run in docs/results/deep/
+# MLP, against kvbridge fit's defaults (a lever on the keys of the worst layer). (The run in docs/results/frontier/deep/
 # bottleneck also had "levers read every source layer", lever_top_k None: fit caps it at top_k, one layer, so it was
 # the second point's fit again — identical retention; dropped.)
 LEAN_KV = dict(LEAN, lever_kinds=("key", "value"))
