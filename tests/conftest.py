@@ -15,7 +15,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# the cores shared among pytest-xdist's workers (`-n 2`: one thread each), else two threads
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0,
             mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
@@ -238,8 +239,16 @@ def _unscannable_globals() -> list[tuple[dict, str, object]]:
 ENGINE_FIXTURES = {"engine", "engines", "servers", "server", "client", "lmcache"}
 
 
+# the longest files first (pytest-xdist hands whole files to its workers in this order, so that none starts late)
+FIRST = ("test_serving_server.py", "test_serving_store.py", "test_serving_lmcache.py", "test_serving_engine.py",
+         "test_serving_tp.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """A test that needs an engine fixture is marked ``engine``: ``pytest -m "not engine"`` runs the rest."""
+    """A test that needs an engine fixture is marked ``engine``: ``pytest -m "not engine"`` runs the rest. The files
+    that start engines run first."""
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # (stable: the rest keep their order)
