@@ -74,7 +74,10 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    assert [tok.token_to_id(t) for t in SPECIALS] == [0, BOS, EOS, PAD]
+    ids = [tok.token_to_id(t) for t in SPECIALS]
+    if ids != [0, BOS, EOS, PAD]:  # (the tokenizers library's contract; a new version could break it)
+        raise RuntimeError(f"the trained tokenizer put its special tokens {SPECIALS} at {ids}, not at "
+                           f"{[0, BOS, EOS, PAD]}: the family's configs expect those ids")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", model_max_length=2048)
 
