@@ -145,7 +145,8 @@ def test_the_layers_see_absolute_imports(tmp_path, monkeypatch):
 ENGINE = {f"kvbridge.serving.engine.{m}" for m in ("config", "connector", "producer", "middleware", "idle")} | {
     f"kvbridge.serving.store.{m}" for m in ("folder", "hot", "prewarm", "lmcache_store")}
 ABOVE_ENGINE = {f"kvbridge.serving.bench.{m}" for m in ("ttft", "cascade", "quality", "load", "lmcache_probe")} | {
-    "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.cli.app", "kvbridge.cli.serving", "kvbridge.measure.demo",
+    "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.cli.app", "kvbridge.cli.registry", "kvbridge.cli.commands",
+    "kvbridge.cli.serving", "kvbridge.measure.demo",
     "kvbridge.measure.frontier", "kvbridge.measure.gap"}
 
 

@@ -332,18 +332,17 @@ def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     from kvbridge import family
-    from kvbridge.cli.serving import _serve_source_parser, _store_config, pair_argv
+    from kvbridge.cli.registry import parse
+    from kvbridge.cli.serving import _store_config, pair_argv
     from kvbridge.errors import CompatibilityError, KVBridgeError
     from kvbridge.serving.engine.config import StoreConfig
 
     with pytest.raises(InputError, match="both"):
         StoreConfig(store=str(tmp_path), mapper=family.mapper_path())
-    args = _serve_source_parser().parse_args(["--store", str(tmp_path), "--map-ahead"])
-    args.vllm_args = []
+    args = parse(["serve-source", "--store", str(tmp_path), "--map-ahead"])
     config = _store_config(args, family.source_path())
     assert (config.mapper, config.target) == (family.mapper_path(), family.target_path())
-    assert _store_config(_serve_source_parser().parse_args(["--store", str(tmp_path)]), family.source_path()).mapper \
-        is None
+    assert _store_config(parse(["serve-source", "--store", str(tmp_path)]), family.source_path()).mapper is None
     # the mapper is fitted for the embedded source: a map-ahead for another source is refused in one line
     with pytest.raises((CompatibilityError, KVBridgeError), match="source"):
         _store_config(args, family.target_path())
@@ -361,11 +360,9 @@ def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
 
 
 def argparse_cascade(argv):
-    from kvbridge.cli.serving import _cascade_parser
+    from kvbridge.cli.registry import parse
 
-    args, rest = _cascade_parser().parse_known_args(argv)
-    args.vllm_args = rest
-    return args
+    return parse(["cascade", *argv])
 
 
 def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):

@@ -1,5 +1,5 @@
 """The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``load-bench``,
-``cascade-bench`` and ``serve-eval`` (their parsers and what they run; :mod:`kvbridge.cli` hands them their arguments).
+``cascade-bench`` and ``serve-eval`` (their options and what they run; :mod:`.registry` lists them).
 
 Each parses its own options and passes the ones it does not know on: ``serve`` and ``serve-source`` to ``vllm
 serve``, the benchmarks to the servers they start.
@@ -170,19 +170,18 @@ def store_memory_bytes(args) -> int:
     return int(args.store_memory_gb * 2**30)
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def add_serve(p: argparse.ArgumentParser) -> None:
+    """`kvbridge serve`'s options."""
     from ..serving.engine.config import MODES, ServeConfig
 
     d = ServeConfig(mapper="-", source="-", target="-")
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve",
-        description="Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
-                    "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
-                    "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
-                    "Any failure for a request falls back to a native prefill. With no pair, the embedded family "
-                    "and its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.",
-        epilog="Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
-               "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
+    p.description = ("Start vLLM's OpenAI-compatible server for the target with the kvbridge KV connector: a request "
+                     "whose kv_transfer_params say {\"kvbridge\": \"mapped\"} has its prompt prefilled by the source "
+                     "and mapped into the engine's paged cache; the engine computes the held-back tokens and decodes. "
+                     "Any failure for a request falls back to a native prefill. With no pair, the embedded family and "
+                     "its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.")
+    p.epilog = ("Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
+                "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
     add_pair(p)
     r = p.add_argument_group("requests")
     r.add_argument("--mode", choices=MODES, default=d.mode,
@@ -222,10 +221,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     s.add_argument("--plain", action="store_true",
                    help="serve the target with vLLM alone — the engine settings kvbridge gives it, no connector, no "
                         "middleware: the baseline of kvbridge load-bench")
-    return p
 
 
-def _cmd_serve(args) -> int:
+def run_serve(args) -> int:
     from .. import family
     from ..serving.launch import break_even, serve
 
@@ -241,21 +239,19 @@ def _cmd_serve(args) -> int:
                  args.plain)
 
 
-def _serve_eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve-eval",
-        description="Retention through vLLM: the family tasks (perplexity, 4-way cloze, random- and real-span "
-                    "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
-                    "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
-                    "runs in this process (vllm.LLM) in the connector's dtype.")
+def add_serve_eval(p: argparse.ArgumentParser) -> None:
+    """`kvbridge serve-eval`'s options."""
+    p.description = ("Retention through vLLM: the family tasks (perplexity, 4-way cloze, random- and real-span "
+                     "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
+                     "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
+                     "runs in this process (vllm.LLM) in the connector's dtype.")
     add_pair(p)
     p.add_argument("--items", type=int, default=48, help="held-out documents per length (default: 48)")
     p.add_argument("--lengths", default="256,1024", help="document lengths in tokens (default: 256,1024)")
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
-    return p
 
 
-def _cmd_serve_eval(args) -> int:
+def run_serve_eval(args) -> int:
     import json
 
     from .. import family
@@ -298,16 +294,15 @@ def _cmd_serve_eval(args) -> int:
     return 0
 
 
-def _serve_bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve-bench",
-        description="Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` (every "
-                    "option this command does not know goes to it, and through it to vLLM) or measures a running one "
-                    "(--url), then sends streamed completions of distinct prompts of each length, alternating native "
-                    "and mapped waves of --concurrency simultaneous requests. Medians, p90, decode throughput; the "
-                    "connector's time per mapped request; and the ceiling: each native wave sent again one token "
-                    "longer, a prefix-cache hit on its full blocks, what a transfer whose connector cost nothing "
-                    "would take.")
+def add_serve_bench(p: argparse.ArgumentParser) -> None:
+    """`kvbridge serve-bench`'s options."""
+    p.description = ("Time to first token through vLLM, native vs mapped, side by side: starts `kvbridge serve` "
+                     "(every option this command does not know goes to it, and through it to vLLM) or measures a "
+                     "running one (--url), then sends streamed completions of distinct prompts of each length, "
+                     "alternating native and mapped waves of --concurrency simultaneous requests. Medians, p90, "
+                     "decode throughput; the connector's time per mapped request; and the ceiling: each native wave "
+                     "sent again one token longer, a prefix-cache hit on its full blocks, what a transfer whose "
+                     "connector cost nothing would take.")
     p.add_argument("--url", help="measure this running kvbridge server instead of starting one")
     p.add_argument("--model", help="the served model name (with --url; default: the server's first model)")
     p.add_argument("--contexts", default="256,1024,2000", help="prompt lengths in tokens (default: 256,1024,2000)")
@@ -320,10 +315,9 @@ def _serve_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write every row to this file (and the table beside it as .md)")
     p.add_argument("--plot", help="write a PNG: TTFT and speed-up vs context")
     p.add_argument("--log", default="kvbridge-serve-bench.log", help="the started server's log (default: %(default)s)")
-    return p
 
 
-def _cmd_serve_bench(args) -> int:
+def run_serve_bench(args) -> int:
     from transformers import AutoTokenizer
 
     from .. import family
@@ -390,18 +384,17 @@ def _cmd_serve_bench(args) -> int:
 
 
 
-def _serve_source_parser() -> argparse.ArgumentParser:
+def add_serve_source(p: argparse.ArgumentParser) -> None:
+    """`kvbridge serve-source`'s options."""
     from ..serving.bench.cascade import default_store
 
-    p = argparse.ArgumentParser(
-        prog="kvbridge serve-source",
-        description="Start vLLM's OpenAI-compatible server for the source model, storing its KV as it serves: every "
-                    "block of tokens a request computes (prompt or answer) goes to the KV store, keyed by the token "
-                    "prefix and the source's identity, so that a target served with `kvbridge serve --store` maps it "
-                    "without a source prefill (warm transfer: cascades, escalation, routing); with a mapper "
-                    "(map-ahead) each stored block is also mapped into the target's K/V, so that the target reads it. "
-                    "Serving is unchanged; options kvbridge does not know are passed to `vllm serve`.",
-        epilog=EPILOG)
+    p.description = ("Start vLLM's OpenAI-compatible server for the source model, storing its KV as it serves: every "
+                     "block of tokens a request computes (prompt or answer) goes to the KV store, keyed by the token "
+                     "prefix and the source's identity, so that a target served with `kvbridge serve --store` maps it "
+                     "without a source prefill (warm transfer: cascades, escalation, routing); with a mapper "
+                     "(map-ahead) each stored block is also mapped into the target's K/V, so that the target reads "
+                     "it. Serving is unchanged; options kvbridge does not know are passed to `vllm serve`.")
+    p.epilog = EPILOG
     p.add_argument("--source", help="source model (folder or hub id; default: the embedded family's)")
     p.add_argument("--source-revision", help="hub revision of the source")
     m = p.add_argument_group("map-ahead (each stored block is also mapped into the target's K/V, in a background "
@@ -430,7 +423,6 @@ def _serve_source_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8001, help="port (default: 8001)")
     p.add_argument("--served-model-name", help="model name clients send (default: the source's hub id or folder "
                                                "name; kvbridge-family-source for the embedded family)")
-    return p
 
 
 def _store_config(args, source: str | None = None):
@@ -460,7 +452,7 @@ def _store_config(args, source: str | None = None):
                        dtype=args.map_dtype, prewarm=store.prewarm)
 
 
-def _cmd_serve_source(args) -> int:
+def run_serve_source(args) -> int:
     from .. import family
     from ..core.models import resolve_model
     from ..serving.launch import serve_source
@@ -487,18 +479,17 @@ def _cmd_serve_source(args) -> int:
                             args.served_model_name or name, args.host, args.port, args.vllm_args, lmcache=url)
 
 
-def _cascade_parser() -> argparse.ArgumentParser:
+def add_cascade(p: argparse.ArgumentParser) -> None:
+    """`kvbridge cascade`'s options."""
     from ..serving.bench.cascade import default_store
 
-    p = argparse.ArgumentParser(
-        prog="kvbridge cascade",
-        description="Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
-                    "(it stores its KV as it serves, and maps each stored block ahead into the target's K/V) and "
-                    "`kvbridge serve --store` for the target (it reads the stored blocks of a conversation escalated "
-                    "to it, and computes the new turn itself over them). With no pair, the "
-                    "embedded family and its shipped mapper. Stops both on Ctrl-C.",
-        epilog="Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
-               + EPILOG)
+    p.description = ("Start both servers of a cascade, sharing one KV store: `kvbridge serve-source` for the source "
+                     "(it stores its KV as it serves, and maps each stored block ahead into the target's K/V) and "
+                     "`kvbridge serve --store` for the target (it reads the stored blocks of a conversation escalated "
+                     "to it, and computes the new turn itself over them). With no pair, the embedded family and its "
+                     "shipped mapper. Stops both on Ctrl-C.")
+    p.epilog = ("Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
+                + EPILOG)
     add_pair(p)
     p.add_argument("--store", default=default_store(), help="the shared KV store (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0, help="the store's size cap (default: 2)")
@@ -512,7 +503,6 @@ def _cascade_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the target's port (default: 8000)")
     p.add_argument("--source-port", type=int, default=8001, help="the source's port (default: 8001)")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs", help="the servers' logs (default: %(default)s)")
-    return p
 
 
 def pair_argv(args, lmcache: str | None = None) -> tuple[list[str], list[str]]:
@@ -542,7 +532,7 @@ def pair_argv(args, lmcache: str | None = None) -> tuple[list[str], list[str]]:
     return source, target
 
 
-def _cmd_cascade(args) -> int:
+def run_cascade(args) -> int:
     from ..serving.bench.cascade import launched_pair
     from ..serving.launch import target_parallel
 
@@ -572,25 +562,22 @@ def _wait_cascade(source: str, target: str, store) -> None:
         time.sleep(3600)
 
 
-def _cascade_bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvbridge cascade-bench",
-        description="Escalation through two vLLM servers: conversations whose first two turns the source answers, "
-                    "then a third turn escalated to the target seven ways — native (the target re-prefills the "
-                    "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
-                    "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
-                    "turn mapped too (a native rest of 0), mapped at the switch "
-                    "(warm, blocks mapped ahead ignored), cold (mapped from a fresh source prefill) and prewarmed "
-                    "(warm, the conversation loaded into the target's prefix cache before the switch: its source "
-                    "request asks for it, kv_transfer_params kvbridge_prewarm; every other source request says "
-                    "false) — in a "
-                    "random order of each conversation's own, native sent again right after native (a hit in the "
-                    "target's own prefix cache: the ceiling of any transfer); median time to the first streamed "
-                    "token of each, and the escalated "
-                    "answers compared with native's and with each other. Starts `kvbridge cascade`'s two servers "
-                    "(every option this command does not know goes to the target's `kvbridge serve`) or measures "
-                    "running ones (--source-url, --target-url). With --lmcache, an eighth way: a second pair whose "
-                    "source stores through LMCache and whose target reads from there.")
+def add_cascade_bench(p: argparse.ArgumentParser) -> None:
+    """`kvbridge cascade-bench`'s options."""
+    p.description = ("Escalation through two vLLM servers: conversations whose first two turns the source answers, "
+                     "then a third turn escalated to the target seven ways — native (the target re-prefills the "
+                     "history), warm (the source's stored KV, mapped ahead and read from the target's memory, the new "
+                     "turn computed by the target: --native-rest), warm from the store's folder, warm with the new "
+                     "turn mapped too (a native rest of 0), mapped at the switch (warm, blocks mapped ahead ignored), "
+                     "cold (mapped from a fresh source prefill) and prewarmed (warm, the conversation loaded into the "
+                     "target's prefix cache before the switch: its source request asks for it, kv_transfer_params "
+                     "kvbridge_prewarm; every other source request says false) — in a random order of each "
+                     "conversation's own, native sent again right after native (a hit in the target's own prefix "
+                     "cache: the ceiling of any transfer); median time to the first streamed token of each, and the "
+                     "escalated answers compared with native's and with each other. Starts `kvbridge cascade`'s two "
+                     "servers (every option this command does not know goes to the target's `kvbridge serve`) or "
+                     "measures running ones (--source-url, --target-url). With --lmcache, an eighth way: a second "
+                     "pair whose source stores through LMCache and whose target reads from there.")
     add_pair(p)
     p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
     p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
@@ -621,7 +608,6 @@ def _cascade_bench_parser() -> argparse.ArgumentParser:
                                                      "beside it as .md")
     p.add_argument("--log-dir", default="kvbridge-cascade-logs",
                    help="the started servers' logs (default: %(default)s)")
-    return p
 
 
 def _cascade_table_of(path: str) -> int:
@@ -644,7 +630,7 @@ def _cascade_table_of(path: str) -> int:
     return 0
 
 
-def _cmd_cascade_bench(args) -> int:
+def run_cascade_bench(args) -> int:
     import tempfile
 
     import openai
@@ -802,26 +788,24 @@ def _device() -> str:
             else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
 
 
-def _load_bench_parser() -> argparse.ArgumentParser:
+def add_load_bench(p: argparse.ArgumentParser) -> None:
+    """`kvbridge load-bench`'s options."""
     from ..serving.bench.load import DEFAULT_WAYS, LEAD_S, SETTLE_S, WAYS
 
-    p = argparse.ArgumentParser(
-        prog="kvbridge load-bench",
-        description="Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
-                    "serve` side by side (every option this command does not know goes to both), then replays one "
-                    "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
-                    "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; "
-                    "mapped-sync / mapped-async: cold transfer, the map inside or beside the engine's step; warm: "
-                    "escalated requests, each prompt served and stored earlier by a third server, `kvbridge "
-                    "serve-source --store` mapping ahead, which this command starts when a way needs it; "
-                    "prewarm: the source's turn at each arrival, under the load, and the target's server loading "
-                    "it into its prefix cache ahead of the escalated request; native-prewarm: the same source turn "
-                    "unstored, then the prompt re-sent to plain vLLM ahead, as a router without kvbridge would; ab: "
-                    "every arrival sent to plain vLLM and to kvbridge native at once; ab-warm: the same with warm), "
-                    "each "
-                    "way unloaded first (one request at a time), then at each rate, the ways' order alternating per "
-                    "rate. TTFT and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the "
-                    "prompt tokens the target computed, from vLLM's /metrics.")
+    p.description = ("Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
+                     "serve` side by side (every option this command does not know goes to both), then replays one "
+                     "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
+                     "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; mapped-sync "
+                     "/ mapped-async: cold transfer, the map inside or beside the engine's step; warm: escalated "
+                     "requests, each prompt served and stored earlier by a third server, `kvbridge serve-source "
+                     "--store` mapping ahead, which this command starts when a way needs it; prewarm: the source's "
+                     "turn at each arrival, under the load, and the target's server loading it into its prefix cache "
+                     "ahead of the escalated request; native-prewarm: the same source turn unstored, then the prompt "
+                     "re-sent to plain vLLM ahead, as a router without kvbridge would; ab: every arrival sent to "
+                     "plain vLLM and to kvbridge native at once; ab-warm: the same with warm), each way unloaded "
+                     "first (one request at a time), then at each rate, the ways' order alternating per rate. TTFT "
+                     "and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the prompt "
+                     "tokens the target computed, from vLLM's /metrics.")
     p.add_argument("--rates", default="1,3", help="request rates, per second (default: 1,3)")
     p.add_argument("--requests", type=int, default=40, help="requests per rate and way (default: 40)")
     p.add_argument("--unloaded", type=int, default=8,
@@ -843,7 +827,6 @@ def _load_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
                                                                 "PREFIX-kvbridge.log and PREFIX-source.log (default: "
                                                                 "%(default)s)")
-    return p
 
 
 def _load_source_argv(rest: list[str], store: str) -> list[str]:
@@ -864,7 +847,7 @@ def _load_source_argv(rest: list[str], store: str) -> list[str]:
     return argv
 
 
-def _cmd_load_bench(args) -> int:
+def run_load_bench(args) -> int:
     import asyncio
     import json
     import os
@@ -995,35 +978,3 @@ def _cmd_load_bench(args) -> int:
         write_text(str(Path(args.json).with_suffix(".md")),
                    header + table + "\n\n" + "\n".join(f"- {x}" for x in report["load"]) + "\n")
     return 0
-
-
-# what `kvbridge --help` lists for each (their own --help has the options)
-SUMMARIES = {
-    "serve": "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
-    "serve-source": "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
-    "cascade": "a source server and a target server that reads the source's stored KV when a conversation escalates",
-    "serve-bench": "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
-    "cascade-bench": "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
-    "load-bench": "serving under load: one Poisson trace against plain vLLM and kvbridge",
-    "serve-eval": "the family tasks' retention through vLLM next to Bridge's",
-}
-PASSTHROUGH = {"serve": "vllm_args", "serve-source": "vllm_args", "cascade": "vllm_args", "serve-bench": "serve_args",
-               "cascade-bench": "vllm_args", "load-bench": "serve_args"}
-PARSERS = {"serve": _serve_parser, "serve-source": _serve_source_parser, "cascade": _cascade_parser,
-           "serve-bench": _serve_bench_parser, "cascade-bench": _cascade_bench_parser,
-           "serve-eval": _serve_eval_parser, "load-bench": _load_bench_parser}
-COMMANDS = {"serve": _cmd_serve, "serve-source": _cmd_serve_source, "cascade": _cmd_cascade,
-            "serve-bench": _cmd_serve_bench, "cascade-bench": _cmd_cascade_bench, "serve-eval": _cmd_serve_eval,
-            "load-bench": _cmd_load_bench}
-
-
-def parse(command: str, argv: list[str]) -> argparse.Namespace:
-    """``command``'s arguments: its own options, and (where it passes them on) the rest for vLLM or the server."""
-    parser = PARSERS[command]()
-    if command in PASSTHROUGH:
-        args, rest = parser.parse_known_args(argv)
-        setattr(args, PASSTHROUGH[command], rest)
-    else:
-        args = parser.parse_args(argv)
-    args.command, args.argv = command, list(argv)
-    return args

@@ -1,0 +1,1022 @@
+"""The library commands of ``kvbridge`` (fit, plan, generate, demo, frontier, bench, eval, gap, diagnose, inspect,
+lm-eval, card, push, verify): their options and what they run; :mod:`.registry` lists them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.outputs import check_output_dir, check_output_file, write_text
+from ..errors import KVBridgeError
+from ..family import FAMILIES, describe
+from .console import EPILOG
+from .console import check_results as _check_results
+from .console import counts as _contexts
+from .console import log as _log
+from .console import require as _require
+
+FAMILY_NAMES = tuple(FAMILIES)
+
+
+def _add_pair(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--source", help="small model that prefills (folder or hub id)")
+    g.add_argument("--target", help="large model that continues (folder or hub id)")
+    g.add_argument("--family", choices=FAMILY_NAMES,
+                   help=f"an embedded family's pair instead of --source/--target ({describe()})")
+    g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument("--target-device", help="put the target on another device than the source")
+    g.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
+
+
+def _add_mapper(p: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
+    g = p.add_argument_group("mapper")
+    g.add_argument("--mapper", required=required, help=f"mapper folder or hub id{default_help}")
+    g.add_argument("--mapper-revision", help="hub revision of the mapper")
+    g.add_argument("--mapper-device", help="device of the mapper (default: --device)")
+    g.add_argument("--allow-revision-mismatch", action="store_true",
+                   help="accept models whose revision differs from the mapper's record (geometry must still match)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2, not {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, e.g. 0,1,2, not {text!r}")
+    return values
+
+
+def _windows(text: str) -> tuple[int, ...]:
+    """Attention windows in tokens (--oracle-window), each at least 1."""
+    values = _int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"an attention window is at least 1 token, not {text!r}")
+    return values
+
+
+def _layer_count(text: str) -> int | None:
+    """A count of source layers, or ``all`` (None)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of source layers or 'all', not {text!r}") from None
+
+
+def _add_levers(p: argparse.ArgumentParser) -> None:
+    from ..core.recompute import CRITERIA
+    from ..fit.closed_form import FitConfig
+
+    d = FitConfig()
+    g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
+                                       "the defaults are the frontier's recommended point, chosen on the embedded "
+                                       "families")
+    g.add_argument("--lags", type=_int_list, default=d.lags,
+                   help=f"source tokens t-j feeding target token t on lever layers (default: "
+                        f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
+    g.add_argument("--lever-inputs", choices=["same", "kv", "kvs"], default=d.lever_inputs,
+                   help=f"lever features from the same cache (keys for keys), from keys and values (kv), or from "
+                        f"keys, values and the source's final hidden state (kvs: the map then needs the source's "
+                        f"prefill, not only its cache) (default: {d.lever_inputs})")
+    g.add_argument("--lever-kinds", default=",".join(d.lever_kinds),
+                   help=f"target caches that get levers: key, value or key,value (default: {','.join(d.lever_kinds)})")
+    g.add_argument("--lever-layers", type=_int_list, default=None,
+                   help="target layers that get levers (default: the --lever-count layers with the lowest fit R²)")
+    g.add_argument("--lever-count", type=int, default=d.lever_count,
+                   help=f"how many target layers get levers when --lever-layers is not given "
+                        f"(default: {d.lever_count})")
+    g.add_argument("--lever-stride", type=int, default=d.lever_stride,
+                   help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
+    g.add_argument("--lever-top-k", type=_layer_count, default=d.lever_top_k,
+                   help=f"source layers feeding each lever layer, the best by single-layer R², at most --top-k; "
+                        f"all: as many as --top-k (default: {d.lever_top_k or 'all'})")
+    g.add_argument("--lever-weighting", choices=["none", "attention"], default=d.lever_weighting,
+                   help="attention: weighted ridge for lever layers, each token weighted by the attention its "
+                        f"native key receives (default: {d.lever_weighting})")
+    g.add_argument("--mlp-hidden", type=int, default=d.mlp_hidden,
+                   help=f"width of a residual MLP on lever layers, 0 for none (default: {d.mlp_hidden})")
+    g.add_argument("--mlp-steps", type=int, default=d.mlp_steps, help=f"MLP training steps (default: {d.mlp_steps})")
+    g.add_argument("--mlp-batch", type=int, default=d.mlp_batch,
+                   help=f"observations per MLP step (default: {d.mlp_batch})")
+    g.add_argument("--mlp-lr", type=float, default=d.mlp_lr, help=f"MLP learning rate (default: {d.mlp_lr})")
+    g.add_argument("--mlp-observations", type=int, default=d.mlp_observations,
+                   help="observations the MLP trains on, a seeded sample held in host memory in float32 (twice "
+                        f"while standardised): bounds the fit's RAM (default: {d.mlp_observations:,})")
+    g.add_argument("--repeat-spans", type=float, default=d.repeat_spans,
+                   help="spans of 8-32 tokens (random tokens or another row's text) written twice into each of the "
+                        "levers' calibration rows, on average, so that the levers also learn text only the context "
+                        f"explains (default: {d.repeat_spans}; 0: the rows as they are)")
+    g.add_argument("--lever-objective", choices=["kv", "output"], default=d.lever_objective,
+                   help="kv: levers fitted by mean squared error on the target's K/V; output: then tuned end to end "
+                        "on the KL divergence from the target's native next-token distribution (needs Llama-style "
+                        f"decoder layers; checked) (default: {d.lever_objective})")
+    g.add_argument("--tune-plain", action=argparse.BooleanOptionalAction, default=d.tune_plain,
+                   help="with --lever-objective output, also tune the plain linear maps of the lever layers' other "
+                        "kinds (e.g. the values of a layer whose keys get a lever) on the same objective: no "
+                        f"runtime cost (default: {d.tune_plain})")
+    g.add_argument("--tune-steps", type=int, default=d.tune_steps,
+                   help=f"tuning steps with --lever-objective output (default: {d.tune_steps})")
+    g.add_argument("--tune-batch", type=int, default=d.tune_batch,
+                   help=f"calibration rows a tuning step (default: {d.tune_batch})")
+    g.add_argument("--tune-lr", type=float, default=d.tune_lr, help=f"tuning learning rate (default: {d.tune_lr})")
+    g.add_argument("--tune-rows", type=int, default=d.tune_rows,
+                   help="calibration rows kept for tuning, with their lever features, in host memory (a seeded "
+                        f"sample beyond; 5%% validate) (default: {d.tune_rows})")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the MLP training, the repeated spans and the tuning (default: {d.seed})")
+    r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
+    r.add_argument("--recompute", type=float, default=d.recompute,
+                   help=f"fraction of prefix tokens the target recomputes over the mapped cache, those the "
+                        f"source found least predictable (see --recompute-by); 0 turns it off (default: "
+                        f"{d.recompute})")
+    r.add_argument("--recompute-by", choices=CRITERIA, default=d.recompute_by,
+                   help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
+                        "projection), minus the source's logit of each token (one dot product a token), or a bigram "
+                        "table of the calibration text stored in the artifact; random: a control that picks tokens "
+                        f"blindly (seeded by the prompt), to measure what a criterion adds (default: {d.recompute_by})")
+    r.add_argument("--recompute-window", type=int, default=d.recompute_window,
+                   help="average each token's --recompute-by score over this many tokens centred on it (odd), so that "
+                        "unpredictable spans (names, numbers, text to be recalled) are recomputed whole; 1: each "
+                        f"token's own score (default: {d.recompute_window})")
+    r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
+                   help="the target recomputes each prompt's first token (attention sink)")
+    r.add_argument("--hold-back", type=int, default=d.hold_back,
+                   help=f"last prompt tokens the target reads itself (default: {d.hold_back})")
+    r.add_argument("--native-layers", type=int, default=d.native_layers,
+                   help="the target computes its first N layers' keys and values itself (its own prefill, stopped "
+                        "there) and the map fills the rest: for a pair whose lost quality sits in a low layer (see "
+                        "kvbridge diagnose --oracle); costs N of the target's layers per token (default: "
+                        f"{d.native_layers})")
+
+
+def _lever_settings(args) -> dict:
+    kinds = tuple(k.strip() for k in args.lever_kinds.split(",") if k.strip())
+    return dict(lags=args.lags, lever_inputs=args.lever_inputs, lever_kinds=kinds, lever_layers=args.lever_layers,
+                lever_count=args.lever_count, lever_stride=args.lever_stride, lever_top_k=args.lever_top_k,
+                lever_weighting=args.lever_weighting,
+                mlp_hidden=args.mlp_hidden,
+                mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr,
+                mlp_observations=args.mlp_observations, repeat_spans=args.repeat_spans,
+                lever_objective=args.lever_objective, tune_plain=args.tune_plain, tune_steps=args.tune_steps,
+                tune_batch=args.tune_batch,
+                tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
+                recompute=args.recompute, recompute_by=args.recompute_by,
+                recompute_window=args.recompute_window, sink=args.sink, hold_back=args.hold_back,
+                native_layers=args.native_layers)
+
+
+def _add_fit_options(p: argparse.ArgumentParser) -> None:
+    from ..fit.closed_form import FitConfig
+
+    top_k = FitConfig().top_k
+    p.add_argument("--num-texts", type=int, default=160,
+                   help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
+    p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
+    p.add_argument("--top-k", type=_layer_count, default=top_k,
+                   help=f"source layers per target layer, the best by single-layer R², or all (the published "
+                        f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on the embedded families: with "
+                        f"the levers one beat all four on the deep family's 4-layer source and tied them on "
+                        f"deep-pruned's)")
+    p.add_argument("--source-depth", type=int, default=None,
+                   help="maps read only the source's first D layers, so a transfer's source prefill stops after "
+                        "layer D-1 (default: any layer)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
+                        "FLOPs per token; default: full rank)")
+    p.add_argument("--rank-flops", type=float, default=None,
+                   help="or spend this share (0-1) of those layers' full-rank FLOPs, each layer's rank chosen where "
+                        "held-out R² gains most per FLOP")
+    p.add_argument("--head-blocks", type=int, default=None,
+                   help="split every target layer without levers into this many blocks of KV heads, target block g "
+                        "reading block g of the source's heads only (the KV head count: head-matched maps; 1/N of "
+                        "the FLOPs; default: full maps)")
+    p.add_argument("--ridge", type=float, default=0.01,
+                   help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    p.add_argument("--statistics-on", choices=("auto", "device", "host"), default="auto",
+                   help="where the float64 statistics live during the fit: the models' GPU (fast: the capture runs "
+                        "at its float64 speed), host memory, or auto: the GPU when they fit there with the solve's "
+                        "working memory (default)")
+    p.add_argument("--heldout-texts", type=int, default=4,
+                   help="sequences for the held-out R², cut from the last documents, which the fit then does not "
+                        "read (default: 4; 0 to skip)")
+
+
+def _fit_config(args):
+    from ..fit.closed_form import FitConfig
+
+    return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
+                     ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
+                     rank=args.rank, rank_flops=args.rank_flops, head_blocks=args.head_blocks,
+                     source_depth=args.source_depth, **_lever_settings(args))
+
+
+def add_fit(p: argparse.ArgumentParser) -> None:
+    """`kvbridge fit`'s options."""
+    p.description = ("Capture both models' KV caches on the same texts, accumulate statistics in one pass, select "
+                     "source layers and solve a closed-form affine ridge map per target layer for keys and values. "
+                     "Writes an artifact folder and verifies it.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    p.add_argument("--texts", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
+    p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
+    _add_fit_options(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_levers(p)
+
+
+def add_plan(p: argparse.ArgumentParser) -> None:
+    """`kvbridge plan`'s options."""
+    p.description = ("Peak memory and FLOPs of `kvbridge fit` with these options (per phase, on the host and on the "
+                     "fit's device) and of a mapped prefill per context length, from the models' configs: no weights "
+                     "are loaded. --source/--target take a folder, a config.json, a hub id (its config only), or a "
+                     "shipped config (ministral3-3b-text, ministral3-8b-text; also their Reasoning-2512 hub ids) that "
+                     "works offline.")
+    p.epilog = EPILOG
+    g = p.add_argument_group("models")
+    g.add_argument("--source", required=True, help="source config: folder, config.json, hub id or shipped name")
+    g.add_argument("--target", required=True, help="target config: folder, config.json, hub id or shipped name")
+    g.add_argument("--source-revision", help="hub revision of the source")
+    g.add_argument("--target-revision", help="hub revision of the target")
+    g.add_argument("--device", default="cuda", help="the fit's device: cuda (default) or cpu (host and device are "
+                                                   "then one memory and add up)")
+    g.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, "
+                                                  "bfloat16, float16")
+    p.add_argument("--contexts", help="runtime context lengths (default: 1024,8192,32768, those the models support)")
+    p.add_argument("--batch", type=int, default=1, help="runtime batch size (default: 1)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="fit processes on one machine (torchrun --nproc-per-node): each holds its own statistics "
+                        "in host memory (default: 1)")
+    p.add_argument("--json", help="also write the plan (bytes; fit_peak_bytes = the fit's peak beyond the model "
+                   "weights) to this file")
+    _add_fit_options(p)
+    _add_levers(p)
+
+
+def add_generate(p: argparse.ArgumentParser) -> None:
+    """`kvbridge generate`'s options."""
+    p.description = ("The source prefills the prompt except its last token(s), the mapper builds the target's cache, "
+                     "the target generates.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    _add_mapper(p)
+    p.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; repeat for a batch of prompts (different lengths are fine)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    p.add_argument("--hold-back", type=int, default=None,
+                   help="last prompt tokens the target reads itself (default: the artifact's runtime option)")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, help="sampling temperature (with --sample; default: 0.7)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling (with --sample; default: 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for --sample (default: 0)")
+    p.add_argument("--compare", action="store_true", help="also run native target prefill and show both with timings")
+
+
+def add_demo(p: argparse.ArgumentParser) -> None:
+    """`kvbridge demo`'s options."""
+    p.description = ("Runs offline on the two small models shipped with kvbridge: loads the recommended mapper and "
+                     "the plain map shipped with them as verified artifacts (--refit fits both on the calibration "
+                     "split), saves and verifies the recommended one, compares native and mapped continuations on "
+                     "held-out prompts, then prints the retention table (perplexity, 4-way cloze, in-context recall) "
+                     "and the latency table. All figures are CPU.")
+    p.add_argument("--out", help="keep the artifact (OUT/mapper) and every figure (OUT/demo.json) here")
+    p.add_argument("--quick", action="store_true", help="a reduced run for smoke tests (seconds, not minutes)")
+    p.add_argument("--refit", action="store_true",
+                   help="fit the recommended mapper and the plain map again instead of loading the shipped ones "
+                        "(about four more minutes on 2 cores; the same bytes)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--family", choices=FAMILY_NAMES, default="default",
+                   help=f"the embedded family ({describe()}; only default ships a mapper, for the others the "
+                        "demo fits one)")
+
+
+def add_frontier(p: argparse.ArgumentParser) -> None:
+    """`kvbridge frontier`'s options."""
+    p.description = ("Fits mappers over a grid of lever settings (plain map, lagged features, residual MLP, tuning on "
+                     "the target's output, selective recompute, hold-back, a blind recompute as a control), measures "
+                     "each on the family tasks and its time to first token against native at each context length "
+                     "(256, 1,024, 2,048), and writes OUT/frontier.json, frontier.md and frontier.png with the Pareto "
+                     "front and the recommended point at one length (--at; the fastest whose speed-up clears 1.5x by "
+                     "its own timing noise and whose validation retention ties the best, by a paired bootstrap). "
+                     "Retention is capped at 100 percent per task. Without --source/--target it runs on the embedded "
+                     "family.")
+    p.epilog = EPILOG
+    p.add_argument("--out", required=True, help="folder for frontier.json, frontier.md, frontier.png")
+    p.add_argument("--source", help="source model (default: the embedded family's)")
+    p.add_argument("--target", help="target model (default: the embedded family's)")
+    p.add_argument("--family", choices=FAMILY_NAMES, default=None,
+                   help=f"which embedded family without --source/--target (default: default; {describe()}); "
+                        "it sets the default grid")
+    p.add_argument("--texts", help="calibration .txt/.jsonl (default: the family's calibration split)")
+    p.add_argument("--heldout", help="held-out .txt/.jsonl for the tasks (default: the family's held-out split)")
+    p.add_argument("--device", default="cpu", help="device of both models (default: cpu)")
+    p.add_argument("--grid", default=None,
+                   choices=["full", "extended", "tuning", "values", "deep", "deep-levers", "deep-bottleneck",
+                            "deep-native", "layers", "quick"],
+                   help="full: the levers worth their cost and a blind-recompute control (about 36 minutes on 2 CPU "
+                        "cores); extended: also those that did not make it, for the record (hours); tuning: what "
+                        "tuning on the target's output and the repeated spans each buy; values: what a lever on the "
+                        "same layer's values buys (each about as long as full); deep: fast maps (top-k, reduced "
+                        "rank, head-matched) against full ones; deep-levers: the deep family's fits with residual "
+                        "MLPs again (run it with another --seed) beside larger recompute shares, two source layers a "
+                        "map and the source's hidden state (about an hour); deep-bottleneck: levers on the keys and "
+                        "values of the deep family's worst layer, and with a wider MLP (about 35 minutes); "
+                        "deep-native: the deep target's first four layers computed natively (--native-layers 4), the "
+                        "map filling the rest from the source's first one, two or four layers, beside a control "
+                        "that fills them with the maps' means; layers: "
+                        "one source layer a map against every one, plain and with the levers; quick: a smoke test "
+                        "(default: full; deep with --family deep, layers with --family deep-pruned)")
+    p.add_argument("--quick", action="store_true", help="same as --grid quick")
+    p.add_argument("--at", type=int, default=None, metavar="TOKENS",
+                   help="the context length the recommendation is made and headlined at, one of the grid's lengths "
+                        "(default: the longest, 2,048; quick: 256)")
+    p.add_argument("--items", type=int, default=None, metavar="N",
+                   help="held-out rows per length (default: the grid's, 48; quick: 8); when too few documents are "
+                        "that long, documents packed end to end. More rows narrow every interval: a small "
+                        "difference, such as the target's lead over the source on cloze, needs more than 48")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of every fit (residual MLPs and their samples; default: the grid's, 0): rerun with "
+                        "another seed to see how much of a difference between points is the fit's chance")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_bench(p: argparse.ArgumentParser) -> None:
+    """`kvbridge bench`'s options."""
+    p.description = ("Times native target prefill, source prefill, warm map and cold source+map per context length "
+                     "(warm-ups, then trials; medians), with the map's FLOPs, its efficiency against plain matmul and "
+                     "the FLOP-bound cold speedup.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    _add_mapper(p)
+    p.add_argument("--contexts", default="64,512,1024",
+                   help="comma-separated context lengths (default: 64,512,1024)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
+    p.add_argument("--trials", type=int, default=7, help="timed runs; the median is reported (default: 7)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per batch (default: 1)")
+    p.add_argument("--json", help="write every row (timings, FLOPs, efficiency, memory) to this file")
+    p.add_argument("--plot", help="write a PNG: latency vs context (log-log) and speedups")
+
+
+def add_eval(p: argparse.ArgumentParser) -> None:
+    """`kvbridge eval`'s options."""
+    p.description = ("Runs lm-evaluation-harness once per mode through the registered `kvbridge` model and prints "
+                     "task, native, mapped, raw and floor-normalized retention (floors: 25% for 4-way tasks, 50% "
+                     "WinoGrande, 0 GSM8K), with a mean row. Needs `pip install \"kvbridge[eval]\"`. Offline tasks "
+                     "shipped with kvbridge: kvbridge_family_cloze, kvbridge_family_recall.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    _add_mapper(p)
+    p.add_argument("--tasks", default="arc_challenge,hellaswag,winogrande,mmlu,gsm8k_cot",
+                   help="comma-separated lm-eval tasks (default: the published card's five)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples for every task (default: each task's own)")
+    p.add_argument("--protocol", choices=["default", "card"], default="default",
+                   help="card: the published card's protocol (MMLU 5-shot, GSM8K 8-shot chain of thought, "
+                        "ARC/HellaSwag/WinoGrande 0-shot); default: each task's own few-shot setting")
+    p.add_argument("--rolling-chunk", type=int, default=256,
+                   help="perplexity tasks: tokens scored per chunk, each after the text before it (default: 256)")
+    p.add_argument("--limit", type=float, help="at most N documents per task (or a fraction < 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default: 8)")
+    p.add_argument("--with-source", action="store_true", help="also run the source alone")
+    p.add_argument("--out", help="folder for results.json (full lm-eval output) and table.md")
+
+
+def add_gap(p: argparse.ArgumentParser) -> None:
+    """`kvbridge gap`'s options."""
+    p.description = ("Measures, per context length, perplexity and cloze (native, mapped, source alone) with gap "
+                     "recovered = (mapped - source) / (native - source) and its paired bootstrap interval over "
+                     "documents; free generation (greedy continuations' agreement with native, first divergence, "
+                     "distinct 4-grams) and a span stated far back, written (exact match), for mapped and for the "
+                     "source alone; and time to first token, native vs mapped, at the same length. Texts: the "
+                     "third-party Python shipped with the family (validation packages to choose settings, held-out "
+                     "packages to report), or --texts FILE. CPU figures on CPU.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    _add_mapper(p, required=False, default_help=" (default: the family's shipped mapper, with --family default)")
+    p.add_argument("--split", choices=("validation", "heldout"), default="heldout",
+                   help="which third-party packages: validation to choose settings on, heldout to report "
+                        "(default: heldout)")
+    p.add_argument("--kind", choices=("code", "prose"), default="code",
+                   help="their Python (code) or their READMEs (prose) (default: code)")
+    p.add_argument("--texts", help="a .txt or .jsonl file of your own texts instead")
+    p.add_argument("--lengths", type=_int_list, default=(1024, 2048),
+                   help="context lengths in tokens, comma-separated (default: 1024,2048)")
+    p.add_argument("--items", type=int, default=48, help="rows per length, one per document (default: 48)")
+    p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per continuation (default: 48)")
+    p.add_argument("--tasks", default="perplexity,cloze,recall,continuation",
+                   help="comma-separated subset of perplexity, cloze, recall, continuation (default: all)")
+    p.add_argument("--hold-back", type=int, help="override the mapper's hold-back (last prompt tokens the target "
+                   "reads itself)")
+    p.add_argument("--recompute", type=float, help="override the mapper's selective recompute share (0-1)")
+    p.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token measurement")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default: 8)")
+    p.add_argument("--out", help="folder for gap.json and gap.md")
+    p.add_argument("--table", metavar="GAP_JSON",
+                   help="print (and with --out, rewrite) the tables of a saved gap.json instead of measuring")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def add_diagnose(p: argparse.ArgumentParser) -> None:
+    """`kvbridge diagnose`'s options."""
+    p.description = ("On held-out text: R² of mapped K and V per target layer, cosine of the target's attention "
+                     "outputs with native vs mapped K/V (its own queries, query scaling applied), next-token KL and "
+                     "top-1 agreement. Writes a JSON and a PNG per metric.")
+    p.epilog = EPILOG
+    _add_pair(p)
+    _add_mapper(p)
+    p.add_argument("--texts", required=True, help="held-out .txt or .jsonl (never used for fitting)")
+    p.add_argument("--items", type=int, default=16, help="texts to use (default: 16)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per text (default: 256)")
+    p.add_argument("--out", default="diagnostics", help="folder for diagnostics.json and the plots")
+    p.add_argument("--oracle", action="store_true",
+                   help="also measure, per target layer and kind (key, value, both), the mean floor-normalized "
+                        "retention on the family tasks when that layer's native K/V replace the mapped ones")
+    p.add_argument("--oracle-window", type=_windows, default=(), metavar="W[,W...]",
+                   help="with --oracle, also each layer's K/V from the target's own forward with attention limited "
+                        "to the last W tokens, e.g. 8,32: does the layer need nearby tokens or the whole prefix?")
+
+
+def add_inspect(p: argparse.ArgumentParser) -> None:
+    """`kvbridge inspect`'s options."""
+    p.add_argument("mapper", help="mapper folder or hub id")
+    p.add_argument("--revision", help="hub revision of the mapper")
+    p.add_argument("--json", action="store_true", help="print mapper.json instead of the summary")
+
+
+def add_card(p: argparse.ArgumentParser) -> None:
+    """`kvbridge card`'s options."""
+    p.description = ("Adds README.md (a Hub model card: the pair with revisions and fingerprints, the fit, retention "
+                     "and latency tables rendered from result files, usage, limitations), artifact_manifest.json "
+                     "(provenance, file hashes, result summaries) and example.py (a runnable cache handoff) to a "
+                     "mapper folder. Figures come only from the files given; what was not measured is said to be "
+                     "missing. The three files stay outside checksums.sha256 (the mapper's identity).")
+    p.epilog = EPILOG
+    p.add_argument("mapper", help="mapper folder (kvbridge fit --out)")
+    p.add_argument("--eval", help="folder `kvbridge eval --out` wrote (results.json): the retention table")
+    p.add_argument("--bench", help="file `kvbridge bench --json` wrote: the latency table")
+    p.add_argument("--frontier", help="folder `kvbridge frontier --out` wrote: retention against speed")
+    p.add_argument("--demo", help="demo.json `kvbridge demo --out` wrote: family-task retention and latency")
+    p.add_argument("--repo-id", help="hub id the artifact will be pushed to, for the usage snippets")
+    p.add_argument("--license", default="mit", help="license of the mapper in the card's metadata (default: mit)")
+    p.add_argument("--force", action="store_true",
+                   help="replace README.md, example.py or artifact_manifest.json even when an earlier card did not "
+                        "write them (by default those are refused, so a file of yours is never overwritten)")
+
+
+def add_push(p: argparse.ArgumentParser) -> None:
+    """`kvbridge push`'s options."""
+    p.description = ("Verifies the artifact, creates the hub repo if needed and uploads the artifact's files (and its "
+                     "card, if `kvbridge card` wrote one) in one commit, then prints the commit to pin. Needs a token "
+                     "with write access (`hf auth login` or HF_TOKEN).")
+    p.epilog = EPILOG
+    p.add_argument("mapper", help="mapper folder")
+    p.add_argument("--repo-id", required=True, help="owner/name on the hub")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
+    p.add_argument("--token", help="hub token (default: the one `hf auth login` stored, or HF_TOKEN)")
+
+
+def add_verify(p: argparse.ArgumentParser) -> None:
+    """`kvbridge verify`'s options."""
+    p.add_argument("mapper", help="mapper folder or hub id")
+    p.add_argument("--revision", help="hub revision of the mapper")
+
+
+# -- commands ----------------------------------------------------------------------------------
+def run_fit(args) -> int:
+    from ..core.artifact import check_writable_artifact_dir
+    from ..core.models import check_device
+    from ..fit import distributed
+    from ..fit.texts import read_texts
+
+    config = _fit_config(args)
+    texts = read_texts(args.texts)
+    out = check_output_dir(args.out)
+    check_writable_artifact_dir(out)  # before minutes of fitting, not after
+    device = args.device
+    if distributed.launched():
+        if args.target_device:
+            raise KVBridgeError("under torchrun each process holds both models on its own device: drop "
+                                "--target-device.")
+        check_device(device)
+        device = distributed.start(device)
+    try:
+        return _fit_and_write(args, config, texts, out, device)
+    finally:
+        distributed.stop()
+
+
+def _fit_and_write(args, config, texts, out, device) -> int:
+    from ..core.mapper import check_mapper
+    from ..core.models import check_device, load_model, resolve_dtype
+    from ..fit import distributed
+    from ..fit.closed_form import fit_mapper
+
+    dtype = resolve_dtype(args.dtype, device)
+    if args.target_device:
+        check_device(args.target_device, "--target-device")
+    main_process = distributed.is_main()
+    if main_process:
+        _log(f"loading source {args.source} and target {args.target} ({str(dtype).replace('torch.', '')}, {device})")
+    source = load_model(args.source, args.source_revision, device, dtype)
+    target = load_model(args.target, args.target_revision, args.target_device or device, dtype)
+    mapper = fit_mapper(source, target, texts, config, progress=not args.quiet, distributed=distributed.launched(),
+                        totals=args.statistics_on)
+    if not main_process:
+        return 0
+    mapper.save_pretrained(out)
+    problems = check_mapper(out)
+    if problems:
+        raise KVBridgeError(f"the artifact written to {out} does not verify: {'; '.join(problems)}")
+    f, run = mapper.config.fit, mapper.run_report
+    gib = run["peak_memory_bytes"] / 2**30
+    print(f"fitted {mapper.config.num_parameters():,} parameters in {run['fit_seconds']:.1f} s "
+          f"({f['observations']:,} observations, {run['observations_per_second']:,.0f} obs/s, "
+          f"statistics {run['statistics_gflop_per_second']:.2f} GFLOP/s, peak memory {gib:.2f} GiB "
+          f"[{run['peak_memory_kind']}])")
+    for kind in ("key", "value"):
+        line = f"  {kind:5s} R²: fit {f[f'{kind}_r2_fit_mean']:.4f}"
+        if f"{kind}_r2_heldout_mean" in f:
+            line += f", held-out {f[f'{kind}_r2_heldout_mean']:.4f}"
+        print(line)
+        if f[f"{kind}_r2_fit_mean"] < 0.1:
+            _log(f"warning: the {kind} map explains less than 10% of the target's variance (R² "
+                 f"{f[f'{kind}_r2_fit_mean']:.3f}); a smaller --ridge, more --num-texts, or another pair may help.")
+    print(f"saved and verified: {out}")
+    return 0
+
+
+def run_plan(args) -> int:
+    import json
+
+    import torch
+
+    from ..core.models import default_dtype, resolve_dtype
+    from ..measure.plan import model_shape, plan, plan_table, read_config
+
+    config = _fit_config(args)
+    if config.rank is not None or config.rank_flops is not None or config.head_blocks is not None:
+        raise KVBridgeError("plan does not model reduced-rank or head-blocked maps yet; plan without "
+                            "--rank/--rank-flops/--head-blocks (the full maps: an upper bound on memory; `python -m "
+                            "kvbridge.measure.bench_real --plan` prices their FLOPs at the Ministral-3 geometry).")
+    contexts = tuple(_contexts(args.contexts, minimum=1)) if args.contexts is not None else None
+    if args.batch < 1:
+        raise KVBridgeError("--batch must be at least 1.")
+    if args.json:
+        check_output_file(args.json, "--json")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        raise KVBridgeError(f"--device {args.device!r} is not a device name; use e.g. cuda, cuda:1 or cpu.") from None
+    # the device is planned for, not used: it need not exist here
+    dtype = str(default_dtype(kind) if args.dtype == "auto" else resolve_dtype(args.dtype, "cpu")).replace("torch.", "")
+    source = model_shape(read_config(args.source, args.source_revision), args.source)
+    target = model_shape(read_config(args.target, args.target_revision), args.target)
+    totals = None if args.statistics_on == "auto" else args.statistics_on
+    result = plan(source, target, config, args.device, dtype, contexts, args.batch, args.processes, totals)
+    print(plan_table(result))
+    if args.json:
+        write_text(args.json, json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def run_generate(args) -> int:
+    import torch
+
+
+    if args.max_new_tokens < 1:
+        raise KVBridgeError("--max-new-tokens must be at least 1.")
+    if not 0 <= args.seed < 2**63:
+        raise KVBridgeError(f"--seed must be an integer from 0 to 2**63 - 1, not {args.seed}.")
+    if not args.sample and (args.temperature is not None or args.top_p is not None):
+        raise KVBridgeError("--temperature and --top-p apply to sampling only: add --sample, or drop them for greedy "
+                            "decoding.")
+    bridge = _bridge(args)
+    kwargs = {}
+    if args.sample:
+        kwargs = {"do_sample": True, "temperature": 0.7 if args.temperature is None else args.temperature,
+                  "top_p": 0.95 if args.top_p is None else args.top_p}
+    runs = ["native", "mapped"] if args.compare else ["mapped"]
+    results = {}
+    for mode in runs:
+        torch.manual_seed(args.seed)
+        results[mode] = bridge.generate(args.prompt, mode=mode, max_new_tokens=args.max_new_tokens, **kwargs)
+    for i, prompt in enumerate(args.prompt):
+        print(f"=== prompt {i}: {_clip(prompt, 70)!r}")
+        for mode in runs:
+            g = results[mode]
+            held, total = g.held_back, g.prefilled[i] + g.held_back
+            label = ("target prefills itself" if mode == "native" else
+                     f"the source prefilled {g.prefilled[i]} of {total} prompt tokens → mapper → target, which read "
+                     f"the last {held} itself")
+            print(f"--- {mode} ({label}), {g.seconds * 1000:.1f} ms for the batch")
+            if mode == "mapped" and held < bridge.hold_back:
+                print(f"    note: hold-back {bridge.hold_back} was asked for, but the batch's shortest prompt has "
+                      f"{held + 1} tokens: the target read {held} itself")
+            if mode == "mapped" and g.prefilled[i] * 2 < total:
+                print(f"    note: less than half of this prompt was mapped ({g.prefilled[i]} of {total} tokens): "
+                      "the answer is mostly the target's own")
+            print(g.texts[i].strip() or "(empty)")
+        if args.compare:
+            a, b = results["native"].token_ids[i], results["mapped"].token_ids[i]
+            same = sum(x == y for x, y in zip(a, b))
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            where = "identical" if first is None and len(a) == len(b) else f"first difference at token {first}"
+            print(f"--- agreement: {same}/{max(len(a), len(b))} tokens, {where}")
+    return 0
+
+
+def run_demo(args) -> int:
+    from ..measure.demo import run_demo
+
+    run_demo(out=args.out, quick=args.quick, progress=not args.quiet, refit=args.refit, name=args.family)
+    return 0
+
+
+def run_frontier(args) -> int:
+    from dataclasses import replace
+
+    from .. import family
+    from ..core.models import load_model
+    from ..fit.texts import read_texts
+    from ..measure.frontier import FAMILY_GRIDS, GRIDS, frontier_table, run_frontier
+
+    if bool(args.source) != bool(args.target):
+        raise KVBridgeError("give both --source and --target, or neither (the embedded family).")
+    if args.source and args.family:
+        raise KVBridgeError("give --family or --source/--target, not both.")
+    if args.source and not (args.heldout and args.texts):
+        raise KVBridgeError("with your own pair give --texts (calibration) and --heldout (texts the models were "
+                            "not calibrated on); the embedded family's texts would not fit another tokenizer.")
+    check_output_dir(args.out)
+    _require("matplotlib", "plot", "kvbridge frontier (frontier.png)")  # fail now, not after minutes
+    if args.source:
+        source, target = load_model(args.source, device=args.device), load_model(args.target, device=args.device)
+    else:
+        source, target = family.load_family(device=args.device, name=args.family or "default")
+    calibration = read_texts(args.texts) if args.texts else family.calibration_texts()
+    heldout = read_texts(args.heldout) if args.heldout else family.heldout_texts()
+    grid = GRIDS["quick" if args.quick else args.grid or FAMILY_GRIDS.get(args.family, "full")]
+    if args.seed is not None:
+        grid = replace(grid, fit=replace(grid.fit, seed=args.seed))  # FitConfig checks the seed's range
+    if args.at is not None:
+        if args.at not in grid.lengths:
+            raise KVBridgeError(f"--at {args.at}: the grid measures {', '.join(map(str, grid.lengths))} tokens; "
+                                "give one of them.")
+        grid = replace(grid, choose_at=args.at)
+    if args.items is not None:
+        grid = replace(grid, items=args.items)
+    report = run_frontier(source, target, calibration, heldout, grid, args.out, progress=not args.quiet)
+    print()
+    print(frontier_table(report))
+    print(f"\nwritten: {Path(args.out) / 'frontier.json'}, frontier.md, frontier.png ({report['seconds']:.0f} s)")
+    return 0
+
+
+def run_bench(args) -> int:
+    import json
+
+    from ..measure.bench import bench_table, device_name, plot_bench, run_bench
+
+    contexts = _contexts(args.contexts, minimum=2)  # one token is the held-back one: nothing to map
+    if args.trials < 1 or args.warmup < 0 or args.batch < 1:
+        raise KVBridgeError("--trials must be >= 1, --warmup >= 0, --batch >= 1.")
+    _check_results(args, "kvbridge bench")
+    bridge = _bridge(args)
+    limit = bridge.target.info.max_positions
+    if limit and max(contexts) > limit:
+        raise KVBridgeError(f"context {max(contexts)} exceeds the target's {limit} positions; drop it from --contexts.")
+    rows = run_bench(bridge, contexts, args.warmup, args.trials, args.batch)
+    device = bridge.target.device
+    where = device_name(device)
+    print(f"{where}, {str(next(bridge.target.model.parameters()).dtype).replace('torch.', '')}, batch {args.batch}, "
+          f"{args.warmup} warm-ups, median of {args.trials} trials\n")
+    print(bench_table(rows))
+    if args.json:
+        write_text(args.json, json.dumps({"device": where, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
+    if args.plot:
+        plot_bench(rows, args.plot)
+    return 0
+
+
+def _bridge(args):
+    from ..core.transfer import Bridge
+
+    return Bridge.from_pretrained(
+        args.source, args.target, args.mapper, source_revision=args.source_revision,
+        target_revision=args.target_revision, mapper_revision=args.mapper_revision, device=args.device,
+        dtype=args.dtype, mapper_device=args.mapper_device, target_device=args.target_device,
+        hold_back=getattr(args, "hold_back", None), recompute=getattr(args, "recompute", None),
+        allow_revision_mismatch=args.allow_revision_mismatch)
+
+
+def run_gap(args) -> int:
+    import shlex
+
+    from ..fit.texts import read_texts
+    from ..measure.gap import TASKS, GapConfig, gap_table, provenance, run_gap, write_report
+
+    if args.table:
+        import json
+
+        try:
+            report = json.loads(Path(args.table).read_text(encoding="utf-8"))
+            print(gap_table(report))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KVBridgeError(f"{args.table} is not a readable gap.json ({exc.__class__.__name__}: {exc}); pass "
+                                "the file `kvbridge gap --out DIR` wrote.") from None
+        if args.out:
+            write_report(report, args.out)
+        return 0
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if not tasks or set(tasks) - set(TASKS):
+        raise KVBridgeError(f"--tasks must name some of {', '.join(TASKS)}, not {args.tasks!r}.")
+    if args.items < 4 or args.new_tokens < 1 or args.batch_size < 1 or min(args.lengths) < 64:
+        raise KVBridgeError("--items must be >= 4, --new-tokens and --batch-size >= 1, and every length >= 64.")
+    if args.out:
+        check_output_dir(args.out)
+    if not args.mapper:
+        if args.family != "default":
+            raise KVBridgeError("only the default family ships a mapper: pass --mapper (fit one with kvbridge fit).")
+        from .. import family
+
+        args.mapper = family.mapper_path()
+    if args.texts:
+        texts, label = read_texts(args.texts), args.texts
+    else:
+        from ..family.external import external_texts
+
+        texts, label = external_texts(args.split, args.kind), f"third-party {args.kind}, {args.split} packages"
+    bridge = _bridge(args)
+    say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
+    config = GapConfig(lengths=args.lengths, items=args.items, new_tokens=args.new_tokens, tasks=tasks,
+                       batch_size=args.batch_size, ttft=not args.no_ttft)
+    report = run_gap(bridge, texts, config, progress=say, label=label)
+    report["provenance"] = provenance("kvbridge gap " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["gap"] else []))
+    print(f"Texts: {label}; mapper {args.mapper}; hold-back {bridge.hold_back}; CPU figures where the device is cpu.")
+    print(gap_table(report))
+    if args.out:
+        folder = write_report(report, args.out)
+        print(f"\nwritten: {folder / 'gap.json'}, {folder / 'gap.md'}")
+    return 0
+
+
+def run_eval(args) -> int:
+    import json
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _require("lm_eval", "eval", "kvbridge eval")
+    from ..measure.lm_eval_tasks import eval_table, fewshot_plan, metric_rows, run_lm_eval
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise KVBridgeError("--tasks is empty.")
+    if args.limit is not None and not 0 < args.limit < float("inf"):
+        raise KVBridgeError(f"--limit must be a number of documents >= 1 or a fraction in (0, 1), not {args.limit}.")
+    if args.batch_size < 1 or (args.num_fewshot is not None and args.num_fewshot < 0) or args.rolling_chunk < 2:
+        raise KVBridgeError("--batch-size must be >= 1, --num-fewshot >= 0 and --rolling-chunk >= 2.")
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    fewshot = fewshot_plan(tasks, args.protocol, args.num_fewshot)
+    if args.out:
+        check_output_dir(args.out)
+    bridge = _bridge(args)
+    modes = ("native", "mapped") + (("source",) if args.with_source else ())
+    try:
+        results = run_lm_eval(bridge, tasks, modes, fewshot, limit, args.batch_size, rolling_chunk=args.rolling_chunk)
+    except KeyError as exc:
+        raise KVBridgeError(f"lm-eval does not know task {exc}; check --tasks (lm-eval ls tasks).") from None
+    rows = metric_rows(results, tasks)
+    table = eval_table(rows, args.protocol)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        from ..measure.bench import device_name
+
+        payload = {"protocol": {"name": args.protocol, "num_fewshot": fewshot}, "rows": rows,
+                   "device": device_name(bridge.target.device),
+                   "dtype": str(next(bridge.target.model.parameters()).dtype).replace("torch.", ""),
+                   "native_fallbacks": results["mapped"]["kvbridge"],
+                   "lm_eval": {m: {k: r[k] for k in ("results", "versions", "n-shot", "config", "kvbridge")
+                                   if k in r} for m, r in results.items()}}
+        write_text(out / "results.json", json.dumps(payload, indent=2, default=str) + "\n")
+        write_text(out / "table.md", table + "\n")
+        print(f"\nwritten: {out / 'results.json'}, {out / 'table.md'}")
+    return 0
+
+
+def run_diagnose(args) -> int:
+    import json
+
+    from ..fit.texts import read_texts
+    from ..measure.diagnose import diagnose, oracle, oracle_cell, plot_diagnostics
+
+    texts = read_texts(args.texts)
+    if args.items < 4 or args.seq_len < 128:
+        raise KVBridgeError("--items must be >= 4 and --seq-len >= 128 "
+                            "(the recall task places spans 64+ tokens apart).")
+    if args.oracle_window and not args.oracle:
+        raise KVBridgeError("--oracle-window adds rows to the oracle; pass --oracle too.")
+    check_output_dir(args.out)
+    _require("matplotlib", "plot", "kvbridge diagnose (its plots)")
+    bridge = _bridge(args)
+    if args.seq_len > bridge.max_positions:
+        raise KVBridgeError(f"--seq-len {args.seq_len} exceeds the {bridge.max_positions} positions these models "
+                            f"support; pass at most {bridge.max_positions}.")
+    report = diagnose(bridge, texts, args.items, args.seq_len)
+    if args.oracle:
+        report["oracle"] = oracle(bridge, texts, args.items, args.seq_len, windows=args.oracle_window)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "diagnostics.json", json.dumps(report, indent=2) + "\n")
+    plots = plot_diagnostics(report, out)
+    if args.oracle:
+        rows = report["oracle"]["rows"]
+        print(f"plain map: mean floor-normalized retention {100 * rows[0]['mean_floor_normalized_retention']:.1f}%")
+        windows = args.oracle_window
+        print("| Target layer made native | keys | values | both |" + "".join(f" both, window {w} |" for w in windows)
+              + "\n|---:|---:|---:|---:|" + "---:|" * len(windows))
+        for layer in range(bridge.target.info.num_layers):
+            cells = ([100 * oracle_cell(rows, layer, kind) for kind in ("key", "value", "both")]
+                     + [100 * oracle_cell(rows, layer, "both", w) for w in windows])
+            print(f"| {layer} | " + " | ".join(f"{c:.1f}%" for c in cells) + " |")
+        print()
+    print("| Target layer | R² keys | R² values | Attention-output cosine |")
+    print("|---:|---:|---:|---:|")
+    for layer, (rk, rv, c) in enumerate(zip(report["key_r2"], report["value_r2"], report["attention_cosine"])):
+        print(f"| {layer} | {rk:.4f} | {rv:.4f} | {c:.4f} |")
+    print(f"\nnext-token KL(native ‖ mapped) {report['next_token_kl']:.4f} nats, "
+          f"top-1 agreement {100 * report['top1_agreement']:.1f}% over {report['items']} held-out texts")
+    print(f"written: {out / 'diagnostics.json'}, " + ", ".join(plots))
+    return 0
+
+
+def run_lm_eval(args) -> int:
+    """lm-eval's own CLI with the kvbridge model registered and kvbridge's offline tasks on the include path."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _require("lm_eval", "eval", "kvbridge lm-eval")
+    import shutil
+
+    from lm_eval.__main__ import cli_evaluate
+
+    from ..measure import lm_eval_model  # noqa: F401  (registers the `kvbridge` model)
+    from ..measure.lm_eval_tasks import local_task_dir
+
+
+    argv = list(args.lm_eval_args)
+    wants_run = argv and argv[0] not in ("ls", "validate", "-h", "--help")
+    folder = None
+    if wants_run and not any(a.startswith("--include_path") for a in argv):
+        folder = local_task_dir()
+        argv += ["--include_path", str(folder)]
+    saved = sys.argv
+    sys.argv = ["lm-eval"] + argv
+    try:
+        cli_evaluate()
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except ValueError as exc:  # lm-eval's own refusals (unknown tasks, bad arguments) arrive as ValueError
+        raise KVBridgeError(f"lm-eval refused the run: {str(exc).splitlines()[0] if str(exc) else exc!r} (`kvbridge "
+                            "lm-eval ls tasks` lists the tasks it knows, kvbridge's offline ones included).") from None
+    finally:
+        sys.argv = saved
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def run_inspect(args) -> int:
+    from ..core.artifact import CONFIG_FILE, read_run_report, resolve
+    from ..core.mapper import check_mapper
+    from ..core.mapper_config import read_config
+
+    directory = resolve(args.mapper, args.revision)
+    problems = check_mapper(directory)
+    if problems:  # nothing of an artifact that fails verification can be trusted, its summary included
+        raise KVBridgeError(f"{directory} fails verification ({'; '.join(problems[:2])}); nothing to show. "
+                            "`kvbridge verify` lists every problem; re-download or refit the mapper.")
+    config = read_config(directory)
+    run = read_run_report(directory)
+    if args.json:
+        print((Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"), end="")
+        return 0
+    data = config.to_dict()
+    f = config.fit
+    print(f"mapper    {directory}")
+    for role in ("source", "target"):
+        m = getattr(config, role)
+        print(f"{role:9s} {m.name_or_path} @ {m.revision or '(local, no revision)'}  [{m.architecture}]")
+        print(f"          {m.num_layers} layers × {m.num_kv_heads} kv heads × {m.head_dim} dims; "
+              f"RoPE {m.rope.rope_type} "
+              f"{ {k: v for k, v in m.rope.parameters.items() if k not in ('rope_type', 'type')} }")
+    print(f"tokenizer {config.source.tokenizer_sha256[:16]}…")
+    print(f"params    {data['num_parameters']:,} ({data['num_parameters'] * 4 / 1e9:.3f} GB float32)")
+    for kind in ("key", "value"):
+        sel = config.selection[kind]
+        sizes = sorted({len(s) for s in sel})
+        print(f"{kind:9s} top_k {sizes[0] if len(sizes) == 1 else sizes}; selection per target layer: "
+              f"{_clip(str([list(s) for s in sel]), 100)}")
+    if isinstance(f.get("settings"), dict):
+        s = f["settings"]
+        seconds = f"{run['fit_seconds']} s" if "fit_seconds" in run else "time not recorded"
+        print(f"fit       {s.get('num_texts')} texts × {s.get('seq_len')} tokens, stride {s.get('stride')}, "
+              f"{_count(f.get('observations'))} observations, ridge {s.get('ridge')}, {seconds}")
+        print(f"          corpus sha256 {str(f.get('calibration_sha256', '?'))[:16]}…")
+        for kind in ("key", "value"):
+            fitted, held = f.get(f"{kind}_r2_fit_mean"), f.get(f"{kind}_r2_heldout_mean")
+            print(f"R² {kind:6s} fit {_number(fitted)}" + (f", held-out {_number(held)}" if held is not None else ""))
+    from ..measure.bench import map_flops
+
+    print(f"map       {map_flops(config, 1) / 1e6:,.3f} MFLOP per token (keys and values)")
+    for kind in ("key", "value"):  # fast maps: reduced rank, head blocks (1: the full map)
+        if config.ranks.get(kind):
+            print(f"rank      {kind}s per target layer (0: full): {_clip(str(list(config.ranks[kind])), 100)}")
+        if config.heads.get(kind):
+            print(f"heads     {kind}s per target layer, blocks of KV heads (1: full): "
+                  f"{_clip(str(list(config.heads[kind])), 80)}")
+    for v in config.levers:
+        print(f"lever     {v.kind}s of target layer {v.layer}: {'+'.join(v.inputs) or v.kind + 's'} at lags "
+              f"{','.join(map(str, v.lags))}" + (f", residual MLP {v.hidden}" if v.hidden else ""))
+    tune = f.get("tune")
+    if isinstance(tune, dict):
+        print(f"tuned     on the target's output: validation KL {_number(tune.get('validation_kl_before'))} → "
+              f"{_number(tune.get('validation_kl_after'))} "
+              f"({'kept' if tune.get('kept') else 'not kept: it did not help'})")
+    elif f.get("kind"):
+        print(f"fit       {f['kind']}")
+    return 0
+
+
+def run_verify(args) -> int:
+    from ..core.artifact import ARTIFACT_FILES, RUN_REPORT_FILE, leftovers, resolve
+    from ..core.mapper import check_mapper
+
+    directory = resolve(args.mapper, args.revision, files=ARTIFACT_FILES)
+    problems = check_mapper(directory)
+    for p in leftovers(directory):
+        print(f"NOTE  {p.name} beside it is left from an interrupted save; the next save there removes it",
+              file=sys.stderr)
+    if problems:
+        for p in problems:
+            print(f"FAIL  {p}", file=sys.stderr)
+        print(f"{directory}: {len(problems)} problem(s). Re-download or refit the mapper.", file=sys.stderr)
+        return 1
+    print(f"OK    {directory}: checksums match, mapper.json valid, all tensor names, shapes and dtypes as recorded, "
+          f"no NaN or Inf ({RUN_REPORT_FILE} and the card files README.md, artifact_manifest.json, example.py, if "
+          "present, describe the mapper and are deliberately not covered)")
+    return 0
+
+
+def run_card(args) -> int:
+    from ..release.card import write_card
+
+    written = write_card(args.mapper, eval_dir=args.eval, bench_json=args.bench, frontier_dir=args.frontier,
+                         demo_json=args.demo, repo_id=args.repo_id, license_id=args.license, force=args.force)
+    print("written: " + ", ".join(str(p) for p in written))
+    missing = [what for what, given in (("retention (--eval or --demo)", args.eval or args.demo),
+                                        ("latency (--bench or --demo)", args.bench or args.demo)) if not given]
+    if missing:
+        print(f"the card says these were not measured: {', '.join(missing)}")
+    return 0
+
+
+def run_push(args) -> int:
+    from ..core.artifact import KNOWN_FILES
+    from ..core.hub import push_folder
+    from ..core.mapper import require_verified
+    from ..errors import ArtifactError
+    from ..release.card import CARD_FILE
+
+    folder = require_verified(args.mapper, "pushed")
+    files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())
+    stale = sorted(KNOWN_FILES - set(files))  # a card or fit report of an earlier push must not describe this one
+    if CARD_FILE not in files:
+        _log(f"note: {folder} has no model card; `kvbridge card {folder}` writes one (README.md).")
+    commit, url, pr = push_folder(folder, args.repo_id, files, ArtifactError, private=args.private,
+                                  create_pr=args.create_pr, token=args.token, delete=stale)
+    print(f"pushed {len(files)} files to {args.repo_id}: {pr or url}")
+    print(f"pin this commit: Mapper.from_pretrained({args.repo_id!r}, revision={commit!r})"
+          f"  (CLI: --mapper {args.repo_id} --mapper-revision {commit})")
+    return 0
+
+
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def _number(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "?"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"

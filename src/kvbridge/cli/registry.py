@@ -1,0 +1,117 @@
+"""Every ``kvbridge`` command in one table: its name, its line in ``kvbridge --help``, the function that adds its
+options to a parser (and sets the parser's description), the function that runs it, and how its arguments are read.
+``kvbridge --help`` and :func:`kvbridge.cli.app.main`'s dispatch are built from it.
+
+The modules it names import only the standard library and kvbridge's light modules at their top: each handler
+imports what it needs (torch's code, transformers, vLLM, lm-eval) when it runs, so ``kvbridge --help`` loads no vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..version import __version__
+from . import commands as c
+from . import serving as s
+from .console import EPILOG
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    summary: str  # its line in `kvbridge --help`
+    add: Callable[[argparse.ArgumentParser], None] | None  # its options; None: every argument is passed on as is
+    run: Callable[[argparse.Namespace], int]
+    serving: bool = False  # parsed by a parser of its own (`kvbridge NAME --help`), not by kvbridge's
+    rest: str | None = None  # the attribute that gets the arguments it does not know (for vLLM, a server, lm-eval)
+
+
+COMMANDS = (
+    Command("fit", "fit a mapper from source to target on calibration texts", c.add_fit, c.run_fit),
+    Command("plan", "predict a fit's and the runtime's memory from the two configs alone", c.add_plan, c.run_plan),
+    Command("generate", "answer a prompt from a mapped cache (optionally beside native)", c.add_generate,
+            c.run_generate),
+    Command("demo", "the whole job on the embedded family: fit, verify, transfer, retention, latency", c.add_demo,
+            c.run_demo),
+    Command("frontier", "retention vs time to first token over a grid of lever settings", c.add_frontier,
+            c.run_frontier),
+    Command("bench", "latency table: native prefill vs source prefill + map, with FLOP limits", c.add_bench,
+            c.run_bench),
+    Command("eval", "native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table", c.add_eval,
+            c.run_eval),
+    Command("gap", "what the mapped target keeps of the target's lead over the source, on third-party text: gap "
+                   "recovered, free generation, TTFT", c.add_gap, c.run_gap),
+    Command("diagnose", "per-layer R², attention-output cosine, next-token KL and top-1 agreement", c.add_diagnose,
+            c.run_diagnose),
+    Command("inspect", "show a mapper's pair, geometry, selection and fit summary", c.add_inspect, c.run_inspect),
+    Command("lm-eval", "lm-evaluation-harness's own command line, with the kvbridge model registered", None,
+            c.run_lm_eval, rest="lm_eval_args"),
+    Command("serve", "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
+            s.add_serve, s.run_serve, serving=True, rest="vllm_args"),
+    Command("serve-source", "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
+            s.add_serve_source, s.run_serve_source, serving=True, rest="vllm_args"),
+    Command("cascade", "a source server and a target server that reads the source's stored KV when a conversation "
+                       "escalates", s.add_cascade, s.run_cascade, serving=True, rest="vllm_args"),
+    Command("serve-bench", "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
+            s.add_serve_bench, s.run_serve_bench, serving=True, rest="serve_args"),
+    Command("cascade-bench", "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
+            s.add_cascade_bench, s.run_cascade_bench, serving=True, rest="vllm_args"),
+    Command("load-bench", "serving under load: one Poisson trace against plain vLLM and kvbridge", s.add_load_bench,
+            s.run_load_bench, serving=True, rest="serve_args"),
+    Command("serve-eval", "the family tasks' retention through vLLM next to Bridge's", s.add_serve_eval,
+            s.run_serve_eval, serving=True),
+    Command("card", "write a Hub model card, artifact_manifest.json and example.py into an artifact", c.add_card,
+            c.run_card),
+    Command("push", "verify an artifact, then upload it to the Hugging Face Hub", c.add_push, c.run_push),
+    Command("verify", "check a mapper's files, checksums and tensor shapes (exit 1 on any problem)", c.add_verify,
+            c.run_verify),
+)
+BY_NAME = {command.name: command for command in COMMANDS}
+
+
+def parser() -> argparse.ArgumentParser:
+    """``kvbridge``'s parser: every command listed; the serving commands and lm-eval as names only (they read their
+    own arguments)."""
+    p = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="Cross-model KV-cache transfer: a small model prefills, a linear mapper converts its cache, "
+                    "a larger model of the same family continues without prefilling.",
+        epilog=EPILOG,
+    )
+    p.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        if command.serving:
+            sub.add_parser(command.name, help=f"{command.summary} (kvbridge {command.name} --help)", add_help=False)
+        elif command.add is None:
+            sub.add_parser(command.name, help=command.summary, add_help=False)
+        else:
+            command.add(sub.add_parser(command.name, help=command.summary))
+    return p
+
+
+def own_parser(command: Command) -> argparse.ArgumentParser:
+    """A serving command's parser, ``kvbridge NAME``."""
+    p = argparse.ArgumentParser(prog=f"kvbridge {command.name}")
+    command.add(p)
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments of ``kvbridge ARGV...``: ``command`` names the command; a serving command's also ``argv``
+    (its own arguments) and, where it passes on what it does not know, those under its ``rest``."""
+    command = BY_NAME.get(argv[0]) if argv else None
+    if command is None or not (command.serving or command.add is None):
+        return parser().parse_args(argv)
+    if command.add is None:  # everything after the name is the tool's own (lm-eval's parser)
+        return argparse.Namespace(command=command.name, **{command.rest: argv[1:]})
+    p = own_parser(command)
+    if command.rest:
+        args, rest = p.parse_known_args(argv[1:])
+        setattr(args, command.rest, rest)
+    else:
+        args = p.parse_args(argv[1:])
+    args.command, args.argv = command.name, list(argv[1:])
+    return args
