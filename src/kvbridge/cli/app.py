@@ -6,45 +6,14 @@ from __future__ import annotations
 import sys
 
 from ..errors import KVBridgeError
-from ..family import FAMILIES
+from .args import family_pair, join_negative_lists
 from .registry import BY_NAME, parse
-
-FAMILY_NAMES = tuple(FAMILIES)
-LIST_FLAGS = ("--lags", "--lever-layers", "--contexts", "--lever-kinds")
-
-
-def _family_pair(args) -> None:
-    """--family stands for --source/--target (the commands that take a pair); one of the two is needed."""
-    if not (hasattr(args, "family") and hasattr(args, "source")) or args.command == "frontier" \
-            or getattr(args, "table", None):  # kvbridge gap --table reads a saved report: no models
-        return
-    if args.family:
-        if args.source or args.target or args.source_revision or args.target_revision:
-            raise KVBridgeError("give --family or --source/--target (and their revisions), not both.")
-        from .. import family
-
-        args.source, args.target = family.source_path(args.family), family.target_path(args.family)
-    elif not (args.source and args.target):
-        raise KVBridgeError("give --source and --target (folders or hub ids), or --family "
-                            f"{'|'.join(FAMILY_NAMES)} for an embedded family.")
-
-
-def _join_negative_lists(argv: list[str]) -> list[str]:
-    """``--lags -1,0`` as ``--lags=-1,0``: argparse takes a value that starts with "-" for an option (and says
-    "expected one argument"); joined, the value reaches the check that names what is wrong with it."""
-    out = []
-    for arg in argv:
-        if out and out[-1] in LIST_FLAGS and arg[:1] == "-" and arg[1:2].isdigit():
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(_join_negative_lists(sys.argv[1:] if argv is None else list(argv)))
+    args = parse(join_negative_lists(sys.argv[1:] if argv is None else list(argv)))
     try:
-        _family_pair(args)
+        family_pair(args)
         return BY_NAME[args.command].run(args)
     except KVBridgeError as exc:
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)

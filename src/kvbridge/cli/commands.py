@@ -9,214 +9,22 @@ from pathlib import Path
 
 from ..core.outputs import check_output_dir, check_output_file, write_text
 from ..errors import KVBridgeError
-from ..family import FAMILIES, describe
+from ..family import describe
+from .args import (
+    FAMILY_NAMES,
+    add_fit_options,
+    add_levers,
+    add_mapper,
+    add_pair,
+    fit_config,
+    int_list,
+    windows,
+)
 from .console import EPILOG
 from .console import check_results as _check_results
 from .console import counts as _contexts
 from .console import log as _log
 from .console import require as _require
-
-FAMILY_NAMES = tuple(FAMILIES)
-
-
-def _add_pair(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models")
-    g.add_argument("--source", help="small model that prefills (folder or hub id)")
-    g.add_argument("--target", help="large model that continues (folder or hub id)")
-    g.add_argument("--family", choices=FAMILY_NAMES,
-                   help=f"an embedded family's pair instead of --source/--target ({describe()})")
-    g.add_argument("--source-revision", help="hub revision (commit, tag or branch) of the source")
-    g.add_argument("--target-revision", help="hub revision of the target")
-    g.add_argument("--device", default="cpu", help="device of both models, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    g.add_argument("--target-device", help="put the target on another device than the source")
-    g.add_argument("--dtype", default="auto",
-                   help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16")
-
-
-def _add_mapper(p: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
-    g = p.add_argument_group("mapper")
-    g.add_argument("--mapper", required=required, help=f"mapper folder or hub id{default_help}")
-    g.add_argument("--mapper-revision", help="hub revision of the mapper")
-    g.add_argument("--mapper-device", help="device of the mapper (default: --device)")
-    g.add_argument("--allow-revision-mismatch", action="store_true",
-                   help="accept models whose revision differs from the mapper's record (geometry must still match)")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2, not {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, e.g. 0,1,2, not {text!r}")
-    return values
-
-
-def _windows(text: str) -> tuple[int, ...]:
-    """Attention windows in tokens (--oracle-window), each at least 1."""
-    values = _int_list(text)
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"an attention window is at least 1 token, not {text!r}")
-    return values
-
-
-def _layer_count(text: str) -> int | None:
-    """A count of source layers, or ``all`` (None)."""
-    if text.strip().lower() == "all":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of source layers or 'all', not {text!r}") from None
-
-
-def _add_levers(p: argparse.ArgumentParser) -> None:
-    from ..core.recompute import CRITERIA
-    from ..fit.closed_form import FitConfig
-
-    d = FitConfig()
-    g = p.add_argument_group("levers", "extra capacity where the plain map loses quality (see kvbridge frontier); "
-                                       "the defaults are the frontier's recommended point, chosen on the embedded "
-                                       "families")
-    g.add_argument("--lags", type=_int_list, default=d.lags,
-                   help=f"source tokens t-j feeding target token t on lever layers (default: "
-                        f"{','.join(map(str, d.lags))}; 0 alone = no lags)")
-    g.add_argument("--lever-inputs", choices=["same", "kv", "kvs"], default=d.lever_inputs,
-                   help=f"lever features from the same cache (keys for keys), from keys and values (kv), or from "
-                        f"keys, values and the source's final hidden state (kvs: the map then needs the source's "
-                        f"prefill, not only its cache) (default: {d.lever_inputs})")
-    g.add_argument("--lever-kinds", default=",".join(d.lever_kinds),
-                   help=f"target caches that get levers: key, value or key,value (default: {','.join(d.lever_kinds)})")
-    g.add_argument("--lever-layers", type=_int_list, default=None,
-                   help="target layers that get levers (default: the --lever-count layers with the lowest fit R²)")
-    g.add_argument("--lever-count", type=int, default=d.lever_count,
-                   help=f"how many target layers get levers when --lever-layers is not given "
-                        f"(default: {d.lever_count})")
-    g.add_argument("--lever-stride", type=int, default=d.lever_stride,
-                   help=f"observe every S-th token for the levers' statistics (default: {d.lever_stride})")
-    g.add_argument("--lever-top-k", type=_layer_count, default=d.lever_top_k,
-                   help=f"source layers feeding each lever layer, the best by single-layer R², at most --top-k; "
-                        f"all: as many as --top-k (default: {d.lever_top_k or 'all'})")
-    g.add_argument("--lever-weighting", choices=["none", "attention"], default=d.lever_weighting,
-                   help="attention: weighted ridge for lever layers, each token weighted by the attention its "
-                        f"native key receives (default: {d.lever_weighting})")
-    g.add_argument("--mlp-hidden", type=int, default=d.mlp_hidden,
-                   help=f"width of a residual MLP on lever layers, 0 for none (default: {d.mlp_hidden})")
-    g.add_argument("--mlp-steps", type=int, default=d.mlp_steps, help=f"MLP training steps (default: {d.mlp_steps})")
-    g.add_argument("--mlp-batch", type=int, default=d.mlp_batch,
-                   help=f"observations per MLP step (default: {d.mlp_batch})")
-    g.add_argument("--mlp-lr", type=float, default=d.mlp_lr, help=f"MLP learning rate (default: {d.mlp_lr})")
-    g.add_argument("--mlp-observations", type=int, default=d.mlp_observations,
-                   help="observations the MLP trains on, a seeded sample held in host memory in float32 (twice "
-                        f"while standardised): bounds the fit's RAM (default: {d.mlp_observations:,})")
-    g.add_argument("--repeat-spans", type=float, default=d.repeat_spans,
-                   help="spans of 8-32 tokens (random tokens or another row's text) written twice into each of the "
-                        "levers' calibration rows, on average, so that the levers also learn text only the context "
-                        f"explains (default: {d.repeat_spans}; 0: the rows as they are)")
-    g.add_argument("--lever-objective", choices=["kv", "output"], default=d.lever_objective,
-                   help="kv: levers fitted by mean squared error on the target's K/V; output: then tuned end to end "
-                        "on the KL divergence from the target's native next-token distribution (needs Llama-style "
-                        f"decoder layers; checked) (default: {d.lever_objective})")
-    g.add_argument("--tune-plain", action=argparse.BooleanOptionalAction, default=d.tune_plain,
-                   help="with --lever-objective output, also tune the plain linear maps of the lever layers' other "
-                        "kinds (e.g. the values of a layer whose keys get a lever) on the same objective: no "
-                        f"runtime cost (default: {d.tune_plain})")
-    g.add_argument("--tune-steps", type=int, default=d.tune_steps,
-                   help=f"tuning steps with --lever-objective output (default: {d.tune_steps})")
-    g.add_argument("--tune-batch", type=int, default=d.tune_batch,
-                   help=f"calibration rows a tuning step (default: {d.tune_batch})")
-    g.add_argument("--tune-lr", type=float, default=d.tune_lr, help=f"tuning learning rate (default: {d.tune_lr})")
-    g.add_argument("--tune-rows", type=int, default=d.tune_rows,
-                   help="calibration rows kept for tuning, with their lever features, in host memory (a seeded "
-                        f"sample beyond; 5%% validate) (default: {d.tune_rows})")
-    g.add_argument("--seed", type=int, default=d.seed,
-                   help=f"seed of the MLP training, the repeated spans and the tuning (default: {d.seed})")
-    r = p.add_argument_group("runtime options recorded in the artifact (a Bridge uses them unless told otherwise)")
-    r.add_argument("--recompute", type=float, default=d.recompute,
-                   help=f"fraction of prefix tokens the target recomputes over the mapped cache, those the "
-                        f"source found least predictable (see --recompute-by); 0 turns it off (default: "
-                        f"{d.recompute})")
-    r.add_argument("--recompute-by", choices=CRITERIA, default=d.recompute_by,
-                   help="how recompute picks tokens: the source's surprisal (exact, costs the source's vocabulary "
-                        "projection), minus the source's logit of each token (one dot product a token), or a bigram "
-                        "table of the calibration text stored in the artifact; random: a control that picks tokens "
-                        f"blindly (seeded by the prompt), to measure what a criterion adds (default: {d.recompute_by})")
-    r.add_argument("--recompute-window", type=int, default=d.recompute_window,
-                   help="average each token's --recompute-by score over this many tokens centred on it (odd), so that "
-                        "unpredictable spans (names, numbers, text to be recalled) are recomputed whole; 1: each "
-                        f"token's own score (default: {d.recompute_window})")
-    r.add_argument("--sink", action=argparse.BooleanOptionalAction, default=d.sink,
-                   help="the target recomputes each prompt's first token (attention sink)")
-    r.add_argument("--hold-back", type=int, default=d.hold_back,
-                   help=f"last prompt tokens the target reads itself (default: {d.hold_back})")
-    r.add_argument("--native-layers", type=int, default=d.native_layers,
-                   help="the target computes its first N layers' keys and values itself (its own prefill, stopped "
-                        "there) and the map fills the rest: for a pair whose lost quality sits in a low layer (see "
-                        "kvbridge diagnose --oracle); costs N of the target's layers per token (default: "
-                        f"{d.native_layers})")
-
-
-def _lever_settings(args) -> dict:
-    kinds = tuple(k.strip() for k in args.lever_kinds.split(",") if k.strip())
-    return dict(lags=args.lags, lever_inputs=args.lever_inputs, lever_kinds=kinds, lever_layers=args.lever_layers,
-                lever_count=args.lever_count, lever_stride=args.lever_stride, lever_top_k=args.lever_top_k,
-                lever_weighting=args.lever_weighting,
-                mlp_hidden=args.mlp_hidden,
-                mlp_steps=args.mlp_steps, mlp_batch=args.mlp_batch, mlp_lr=args.mlp_lr,
-                mlp_observations=args.mlp_observations, repeat_spans=args.repeat_spans,
-                lever_objective=args.lever_objective, tune_plain=args.tune_plain, tune_steps=args.tune_steps,
-                tune_batch=args.tune_batch,
-                tune_lr=args.tune_lr, tune_rows=args.tune_rows, seed=args.seed,
-                recompute=args.recompute, recompute_by=args.recompute_by,
-                recompute_window=args.recompute_window, sink=args.sink, hold_back=args.hold_back,
-                native_layers=args.native_layers)
-
-
-def _add_fit_options(p: argparse.ArgumentParser) -> None:
-    from ..fit.closed_form import FitConfig
-
-    top_k = FitConfig().top_k
-    p.add_argument("--num-texts", type=int, default=160,
-                   help="calibration sequences (default: 160; the published Ministral-3 mapper used 500)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default: 1024)")
-    p.add_argument("--stride", type=int, default=2, help="observe every S-th token (default: 2)")
-    p.add_argument("--top-k", type=_layer_count, default=top_k,
-                   help=f"source layers per target layer, the best by single-layer R², or all (the published "
-                        f"Ministral-3 mapper's; default: {top_k or 'all'}, chosen on the embedded families: with "
-                        f"the levers one beat all four on the deep family's 4-layer source and tied them on "
-                        f"deep-pruned's)")
-    p.add_argument("--source-depth", type=int, default=None,
-                   help="maps read only the source's first D layers, so a transfer's source prefill stops after "
-                        "layer D-1 (default: any layer)")
-    p.add_argument("--rank", type=int, default=None,
-                   help="factor every target layer without levers through this rank (reduced-rank ridge: fewer "
-                        "FLOPs per token; default: full rank)")
-    p.add_argument("--rank-flops", type=float, default=None,
-                   help="or spend this share (0-1) of those layers' full-rank FLOPs, each layer's rank chosen where "
-                        "held-out R² gains most per FLOP")
-    p.add_argument("--head-blocks", type=int, default=None,
-                   help="split every target layer without levers into this many blocks of KV heads, target block g "
-                        "reading block g of the source's heads only (the KV head count: head-matched maps; 1/N of "
-                        "the FLOPs; default: full maps)")
-    p.add_argument("--ridge", type=float, default=0.01,
-                   help="ridge, relative to the mean diagonal of the source Gram (default: 0.01)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    p.add_argument("--statistics-on", choices=("auto", "device", "host"), default="auto",
-                   help="where the float64 statistics live during the fit: the models' GPU (fast: the capture runs "
-                        "at its float64 speed), host memory, or auto: the GPU when they fit there with the solve's "
-                        "working memory (default)")
-    p.add_argument("--heldout-texts", type=int, default=4,
-                   help="sequences for the held-out R², cut from the last documents, which the fit then does not "
-                        "read (default: 4; 0 to skip)")
-
-
-def _fit_config(args):
-    from ..fit.closed_form import FitConfig
-
-    return FitConfig(num_texts=args.num_texts, seq_len=args.seq_len, stride=args.stride, top_k=args.top_k,
-                     ridge=args.ridge, batch_size=args.batch_size, heldout_texts=args.heldout_texts,
-                     rank=args.rank, rank_flops=args.rank_flops, head_blocks=args.head_blocks,
-                     source_depth=args.source_depth, **_lever_settings(args))
 
 
 def add_fit(p: argparse.ArgumentParser) -> None:
@@ -225,12 +33,12 @@ def add_fit(p: argparse.ArgumentParser) -> None:
                      "source layers and solve a closed-form affine ridge map per target layer for keys and values. "
                      "Writes an artifact folder and verifies it.")
     p.epilog = EPILOG
-    _add_pair(p)
+    add_pair(p)
     p.add_argument("--texts", required=True, help=".txt (one text per line) or .jsonl (a 'text' field per line)")
     p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
-    _add_fit_options(p)
+    add_fit_options(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_levers(p)
+    add_levers(p)
 
 
 def add_plan(p: argparse.ArgumentParser) -> None:
@@ -241,15 +49,7 @@ def add_plan(p: argparse.ArgumentParser) -> None:
                      "shipped config (ministral3-3b-text, ministral3-8b-text; also their Reasoning-2512 hub ids) that "
                      "works offline.")
     p.epilog = EPILOG
-    g = p.add_argument_group("models")
-    g.add_argument("--source", required=True, help="source config: folder, config.json, hub id or shipped name")
-    g.add_argument("--target", required=True, help="target config: folder, config.json, hub id or shipped name")
-    g.add_argument("--source-revision", help="hub revision of the source")
-    g.add_argument("--target-revision", help="hub revision of the target")
-    g.add_argument("--device", default="cuda", help="the fit's device: cuda (default) or cpu (host and device are "
-                                                   "then one memory and add up)")
-    g.add_argument("--dtype", default="auto", help="model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, "
-                                                  "bfloat16, float16")
+    add_pair(p, "configs")
     p.add_argument("--contexts", help="runtime context lengths (default: 1024,8192,32768, those the models support)")
     p.add_argument("--batch", type=int, default=1, help="runtime batch size (default: 1)")
     p.add_argument("--processes", type=int, default=1,
@@ -257,8 +57,8 @@ def add_plan(p: argparse.ArgumentParser) -> None:
                         "in host memory (default: 1)")
     p.add_argument("--json", help="also write the plan (bytes; fit_peak_bytes = the fit's peak beyond the model "
                    "weights) to this file")
-    _add_fit_options(p)
-    _add_levers(p)
+    add_fit_options(p)
+    add_levers(p)
 
 
 def add_generate(p: argparse.ArgumentParser) -> None:
@@ -266,8 +66,8 @@ def add_generate(p: argparse.ArgumentParser) -> None:
     p.description = ("The source prefills the prompt except its last token(s), the mapper builds the target's cache, "
                      "the target generates.")
     p.epilog = EPILOG
-    _add_pair(p)
-    _add_mapper(p)
+    add_pair(p)
+    add_mapper(p)
     p.add_argument("--prompt", required=True, action="append",
                    help="prompt text; repeat for a batch of prompts (different lengths are fine)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
@@ -354,8 +154,8 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                      "(warm-ups, then trials; medians), with the map's FLOPs, its efficiency against plain matmul and "
                      "the FLOP-bound cold speedup.")
     p.epilog = EPILOG
-    _add_pair(p)
-    _add_mapper(p)
+    add_pair(p)
+    add_mapper(p)
     p.add_argument("--contexts", default="64,512,1024",
                    help="comma-separated context lengths (default: 64,512,1024)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
@@ -372,8 +172,8 @@ def add_eval(p: argparse.ArgumentParser) -> None:
                      "WinoGrande, 0 GSM8K), with a mean row. Needs `pip install \"kvbridge[eval]\"`. Offline tasks "
                      "shipped with kvbridge: kvbridge_family_cloze, kvbridge_family_recall.")
     p.epilog = EPILOG
-    _add_pair(p)
-    _add_mapper(p)
+    add_pair(p)
+    add_mapper(p)
     p.add_argument("--tasks", default="arc_challenge,hellaswag,winogrande,mmlu,gsm8k_cot",
                    help="comma-separated lm-eval tasks (default: the published card's five)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples for every task (default: each task's own)")
@@ -398,15 +198,15 @@ def add_gap(p: argparse.ArgumentParser) -> None:
                      "third-party Python shipped with the family (validation packages to choose settings, held-out "
                      "packages to report), or --texts FILE. CPU figures on CPU.")
     p.epilog = EPILOG
-    _add_pair(p)
-    _add_mapper(p, required=False, default_help=" (default: the family's shipped mapper, with --family default)")
+    add_pair(p)
+    add_mapper(p, required=False, default_help=" (default: the family's shipped mapper, with --family default)")
     p.add_argument("--split", choices=("validation", "heldout"), default="heldout",
                    help="which third-party packages: validation to choose settings on, heldout to report "
                         "(default: heldout)")
     p.add_argument("--kind", choices=("code", "prose"), default="code",
                    help="their Python (code) or their READMEs (prose) (default: code)")
     p.add_argument("--texts", help="a .txt or .jsonl file of your own texts instead")
-    p.add_argument("--lengths", type=_int_list, default=(1024, 2048),
+    p.add_argument("--lengths", type=int_list, default=(1024, 2048),
                    help="context lengths in tokens, comma-separated (default: 1024,2048)")
     p.add_argument("--items", type=int, default=48, help="rows per length, one per document (default: 48)")
     p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per continuation (default: 48)")
@@ -429,8 +229,8 @@ def add_diagnose(p: argparse.ArgumentParser) -> None:
                      "outputs with native vs mapped K/V (its own queries, query scaling applied), next-token KL and "
                      "top-1 agreement. Writes a JSON and a PNG per metric.")
     p.epilog = EPILOG
-    _add_pair(p)
-    _add_mapper(p)
+    add_pair(p)
+    add_mapper(p)
     p.add_argument("--texts", required=True, help="held-out .txt or .jsonl (never used for fitting)")
     p.add_argument("--items", type=int, default=16, help="texts to use (default: 16)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per text (default: 256)")
@@ -438,7 +238,7 @@ def add_diagnose(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", action="store_true",
                    help="also measure, per target layer and kind (key, value, both), the mean floor-normalized "
                         "retention on the family tasks when that layer's native K/V replace the mapped ones")
-    p.add_argument("--oracle-window", type=_windows, default=(), metavar="W[,W...]",
+    p.add_argument("--oracle-window", type=windows, default=(), metavar="W[,W...]",
                    help="with --oracle, also each layer's K/V from the target's own forward with attention limited "
                         "to the last W tokens, e.g. 8,32: does the layer need nearby tokens or the whole prefix?")
 
@@ -496,7 +296,7 @@ def run_fit(args) -> int:
     from ..fit import distributed
     from ..fit.texts import read_texts
 
-    config = _fit_config(args)
+    config = fit_config(args)
     texts = read_texts(args.texts)
     out = check_output_dir(args.out)
     check_writable_artifact_dir(out)  # before minutes of fitting, not after
@@ -561,7 +361,7 @@ def run_plan(args) -> int:
     from ..core.models import default_dtype, resolve_dtype
     from ..measure.plan import model_shape, plan, plan_table, read_config
 
-    config = _fit_config(args)
+    config = fit_config(args)
     if config.rank is not None or config.rank_flops is not None or config.head_blocks is not None:
         raise KVBridgeError("plan does not model reduced-rank or head-blocked maps yet; plan without "
                             "--rank/--rank-flops/--head-blocks (the full maps: an upper bound on memory; `python -m "

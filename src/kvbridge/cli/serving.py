@@ -14,28 +14,8 @@ from pathlib import Path
 
 from ..core.outputs import check_output_file
 from ..errors import KVBridgeError
+from .args import add_lmcache, add_native_rest, add_pair, add_prewarm, add_store_memory
 from .console import EPILOG, check_results, counts, log, require
-
-
-def add_pair(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pair (default: the embedded family and its shipped mapper)")
-    g.add_argument("--mapper", help="mapper folder or hub id")
-    g.add_argument("--mapper-revision", help="hub revision of the mapper")
-    g.add_argument("--source", help="source model (folder or hub id)")
-    g.add_argument("--target", help="target model, the one vLLM serves (folder or hub id)")
-    g.add_argument("--source-revision", help="hub revision of the source")
-    g.add_argument("--target-revision", help="hub revision of the target")
-    g.add_argument("--allow-revision-mismatch", action="store_true",
-                   help="accept models whose revision differs from the mapper's record")
-    g.add_argument("--hold-back", type=int, help="prompt tokens the engine computes itself (default: the mapper's)")
-    g.add_argument("--recompute", type=float, help="fraction of prefix tokens the target recomputes inside the "
-                                                   "connector (default: the mapper's; 0: none)")
-    g.add_argument("--connector-device", default="auto",
-                   help="device of the source and mapper inside the engine's worker (default: auto: cuda when a GPU "
-                        "is there, else cpu)")
-    g.add_argument("--connector-dtype", default="auto",
-                   help="their dtype, and the engine's unless --dtype is given (default: auto: float32 on CPU, "
-                        "bfloat16 on GPU)")
 
 
 def pair_config(args, **settings):
@@ -64,76 +44,6 @@ def pair_config(args, **settings):
                          dtype=args.connector_dtype, runtime=runtime,
                          allow_revision_mismatch=args.allow_revision_mismatch, **settings)
     return config, name, not args.source
-
-
-def add_native_rest(group) -> None:
-    from ..serving.engine.config import ServeConfig
-
-    default = ServeConfig(mapper="-", source="-", target="-").native_rest
-    group.add_argument("--native-rest", type=int, default=default, metavar="N",
-                       help="when a prompt's stored prefix leaves at most N tokens (a conversation's new turn), the "
-                            "target computes them itself over the stored prefix and the source does not run; 0: the "
-                            f"source prefills them for the mapper, as on the cold path (default: {default})")
-
-
-def add_store_memory(group) -> None:
-    group.add_argument("--store-memory-gb", type=float, default=1.0, metavar="GB",
-                       help="blocks the source engine maps ahead are loaded into the target's memory as it announces "
-                            "them, up to this much per engine worker (least recently used out first), so that an "
-                            "escalated turn reads them from memory; 0: read from the store's folder when a turn needs "
-                            "them (default: 1)")
-
-
-def add_prewarm(p) -> None:
-    p.add_argument("--prewarm", action="store_true",
-                   help="the source's every request asks the target's server to load its conversation ahead, once "
-                        "its blocks are stored (and mapped ahead): an escalated turn then finds its history in the "
-                        "target's prefix cache (default: only requests whose kv_transfer_params say "
-                        "{\"kvbridge_prewarm\": true}; each costs the target one short request)")
-
-
-def add_lmcache(p, owner: bool, bench: bool = False) -> None:
-    """``--lmcache`` (and, where the command can start a server of its own, its tiers; ``bench``: cascade-bench's,
-    a second pair beside the folder's, started or running)."""
-    if bench:
-        g = p.add_argument_group("LMCache (a second pair beside the folder's: its source stores its K/V in an LMCache "
-                                 "server, its target reads them from there: the lmcache way)")
-        g.add_argument("--lmcache", metavar="URL|auto",
-                       help="also start `kvbridge cascade --lmcache`'s pair, sharing the LMCache server at "
-                            "tcp://HOST:PORT or one this command starts and stops (auto); each conversation's source "
-                            "turns go to its source too, and the escalated turn to its target as one more way in the "
-                            "random order: its TTFT, its answer against the cold path's at the same split, LMCache "
-                            "minus folder paired per conversation, and where its loads' time went")
-    elif owner:
-        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
-                                 "a store folder)")
-        g.add_argument("--lmcache", metavar="URL|auto",
-                       help="the source engine stores its K/V through vLLM's LMCacheMPConnector in the LMCache server "
-                            "at tcp://HOST:PORT, or in one this command starts and stops (auto); the store folder, "
-                            "map-ahead and prewarm are then not used")
-    else:
-        g = p.add_argument_group("LMCache (the source engine's K/V in an LMCache server both engines reach, instead of "
-                                 "a store folder)")
-        g.add_argument("--lmcache", metavar="URL",
-                       help="instead of --store: the LMCache server (tcp://HOST:PORT) a source engine stores its K/V "
-                            "in (`kvbridge serve-source --lmcache`, or any vLLM engine with LMCacheMPConnector and "
-                            "the source's llama-4 override): the whole chunks of a prompt found there are mapped "
-                            "without a source prefill")
-        g.add_argument("--lmcache-model", metavar="NAME",
-                       help="the model name that source engine was given (LMCache keys by it; default: the source's "
-                            "folder, as kvbridge serve-source gives it)")
-        return
-    g.add_argument("--lmcache-l1-gb", type=float, default=1.0,
-                   help="with --lmcache auto: the server's memory tier in GiB (allocated up front; default: 1)")
-    g.add_argument("--lmcache-l2", metavar="JSON",
-                   help="with --lmcache auto: a second tier, LMCache's --l2-adapter: a disk "
-                        "'{\"type\":\"fs\",\"base_path\":DIR}' or Redis "
-                        "'{\"type\":\"resp\",\"host\":H,\"port\":P}'")
-    if bench:
-        g.add_argument("--lmcache-source-url", help="instead of --lmcache, with --source-url: a running `kvbridge "
-                                                    "serve-source --lmcache` server (with --lmcache-target-url)")
-        g.add_argument("--lmcache-target-url", help="a running `kvbridge serve --lmcache` server reading the LMCache "
-                                                    "server that source stores in")
 
 
 @contextlib.contextmanager
@@ -182,7 +92,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
                      "its shipped mapper. Options kvbridge does not know are passed to `vllm serve`.")
     p.epilog = ("Each response's kv_transfer_params say what happened: mapped, native, short (auto, below "
                 "--min-tokens) or 'fallback: <reason>'. " + EPILOG)
-    add_pair(p)
+    add_pair(p, "engine")
     r = p.add_argument_group("requests")
     r.add_argument("--mode", choices=MODES, default=d.mode,
                    help=f"default for requests whose kv_transfer_params do not say (default: {d.mode})")
@@ -245,7 +155,7 @@ def add_serve_eval(p: argparse.ArgumentParser) -> None:
                      "recall) scored by a vLLM engine from prefixes the kvbridge connector mapped, next to Bridge's "
                      "mapped scores on the same held-out rows (native, source and floors from Bridge). The engine "
                      "runs in this process (vllm.LLM) in the connector's dtype.")
-    add_pair(p)
+    add_pair(p, "engine")
     p.add_argument("--items", type=int, default=48, help="held-out documents per length (default: 48)")
     p.add_argument("--lengths", default="256,1024", help="document lengths in tokens (default: 256,1024)")
     p.add_argument("--json", help="write every figure to this file (and the table beside it as .md)")
@@ -382,8 +292,6 @@ def run_serve_bench(args) -> int:
     return 0
 
 
-
-
 def add_serve_source(p: argparse.ArgumentParser) -> None:
     """`kvbridge serve-source`'s options."""
     from ..serving.bench.cascade import default_store
@@ -490,7 +398,7 @@ def add_cascade(p: argparse.ArgumentParser) -> None:
                      "shipped mapper. Stops both on Ctrl-C.")
     p.epilog = ("Options kvbridge does not know are passed to the target's `kvbridge serve` (and through it to vLLM). "
                 + EPILOG)
-    add_pair(p)
+    add_pair(p, "engine")
     p.add_argument("--store", default=default_store(), help="the shared KV store (default: %(default)s)")
     p.add_argument("--store-cap-gb", type=float, default=2.0, help="the store's size cap (default: 2)")
     p.add_argument("--no-map-ahead", dest="map_ahead", action="store_false",
@@ -578,7 +486,7 @@ def add_cascade_bench(p: argparse.ArgumentParser) -> None:
                      "servers (every option this command does not know goes to the target's `kvbridge serve`) or "
                      "measures running ones (--source-url, --target-url). With --lmcache, an eighth way: a second "
                      "pair whose source stores through LMCache and whose target reads from there.")
-    add_pair(p)
+    add_pair(p, "engine")
     p.add_argument("--source-url", help="a running `kvbridge serve-source` server (with --target-url)")
     p.add_argument("--target-url", help="a running `kvbridge serve --store` server sharing its store")
     p.add_argument("--source-baseline", action="store_true",
