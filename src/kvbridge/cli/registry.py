@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..version import __version__
 from . import commands as c
+from . import fitting
 from . import serving as s
 from .console import EPILOG
 
@@ -29,8 +30,9 @@ class Command:
 
 
 COMMANDS = (
-    Command("fit", "fit a mapper from source to target on calibration texts", c.add_fit, c.run_fit),
-    Command("plan", "predict a fit's and the runtime's memory from the two configs alone", c.add_plan, c.run_plan),
+    Command("fit", "fit a mapper from source to target on calibration texts", fitting.add_fit, fitting.run_fit),
+    Command("plan", "predict a fit's and the runtime's memory from the two configs alone", fitting.add_plan,
+            fitting.run_plan),
     Command("generate", "answer a prompt from a mapped cache (optionally beside native)", c.add_generate,
             c.run_generate),
     Command("demo", "the whole job on the embedded family: fit, verify, transfer, retention, latency", c.add_demo,
