@@ -146,8 +146,8 @@ ENGINE = {f"kvbridge.serving.engine.{m}" for m in ("config", "connector", "produ
     f"kvbridge.serving.store.{m}" for m in ("folder", "hot", "prewarm", "lmcache_store")}
 ABOVE_ENGINE = {f"kvbridge.serving.bench.{m}" for m in ("ttft", "cascade", "quality", "load", "lmcache_probe")} | {
     "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.measure.demo", "kvbridge.measure.frontier",
-    "kvbridge.measure.gap"} | {f"kvbridge.cli.{m}" for m in ("app", "registry", "args", "commands", "fitting",
-                                                              "serving")}
+    "kvbridge.measure.gap"} | {
+    f"kvbridge.cli.{m}" for m in ("app", "registry", "args", "commands", "fitting", "measuring", "serving")}
 
 
 def test_engine_code_never_reaches_the_launchers():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..version import __version__
 from . import commands as c
-from . import fitting
+from . import fitting, measuring
 from . import serving as s
 from .console import EPILOG
 
@@ -33,23 +33,23 @@ COMMANDS = (
     Command("fit", "fit a mapper from source to target on calibration texts", fitting.add_fit, fitting.run_fit),
     Command("plan", "predict a fit's and the runtime's memory from the two configs alone", fitting.add_plan,
             fitting.run_plan),
-    Command("generate", "answer a prompt from a mapped cache (optionally beside native)", c.add_generate,
-            c.run_generate),
-    Command("demo", "the whole job on the embedded family: fit, verify, transfer, retention, latency", c.add_demo,
-            c.run_demo),
-    Command("frontier", "retention vs time to first token over a grid of lever settings", c.add_frontier,
-            c.run_frontier),
-    Command("bench", "latency table: native prefill vs source prefill + map, with FLOP limits", c.add_bench,
-            c.run_bench),
-    Command("eval", "native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table", c.add_eval,
-            c.run_eval),
+    Command("generate", "answer a prompt from a mapped cache (optionally beside native)", measuring.add_generate,
+            measuring.run_generate),
+    Command("demo", "the whole job on the embedded family: fit, verify, transfer, retention, latency",
+            measuring.add_demo, measuring.run_demo),
+    Command("frontier", "retention vs time to first token over a grid of lever settings", measuring.add_frontier,
+            measuring.run_frontier),
+    Command("bench", "latency table: native prefill vs source prefill + map, with FLOP limits", measuring.add_bench,
+            measuring.run_bench),
+    Command("eval", "native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table", measuring.add_eval,
+            measuring.run_eval),
     Command("gap", "what the mapped target keeps of the target's lead over the source, on third-party text: gap "
-                   "recovered, free generation, TTFT", c.add_gap, c.run_gap),
-    Command("diagnose", "per-layer R², attention-output cosine, next-token KL and top-1 agreement", c.add_diagnose,
-            c.run_diagnose),
+                   "recovered, free generation, TTFT", measuring.add_gap, measuring.run_gap),
+    Command("diagnose", "per-layer R², attention-output cosine, next-token KL and top-1 agreement",
+            measuring.add_diagnose, measuring.run_diagnose),
     Command("inspect", "show a mapper's pair, geometry, selection and fit summary", c.add_inspect, c.run_inspect),
     Command("lm-eval", "lm-evaluation-harness's own command line, with the kvbridge model registered", None,
-            c.run_lm_eval, rest="lm_eval_args"),
+            measuring.run_lm_eval, rest="lm_eval_args"),
     Command("serve", "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
             s.add_serve, s.run_serve, serving=True, rest="vllm_args"),
     Command("serve-source", "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
