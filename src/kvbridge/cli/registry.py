@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..version import __version__
-from . import commands as c
-from . import fitting, measuring
+from . import fitting, measuring, release
 from . import serving as s
 from .console import EPILOG
 
@@ -30,45 +29,50 @@ class Command:
 
 
 COMMANDS = (
-    Command("fit", "fit a mapper from source to target on calibration texts", fitting.add_fit, fitting.run_fit),
-    Command("plan", "predict a fit's and the runtime's memory from the two configs alone", fitting.add_plan,
-            fitting.run_plan),
-    Command("generate", "answer a prompt from a mapped cache (optionally beside native)", measuring.add_generate,
-            measuring.run_generate),
+    Command("fit", "fit a mapper from source to target on calibration texts",
+            fitting.add_fit, fitting.run_fit),
+    Command("plan", "predict a fit's and the runtime's memory from the two configs alone",
+            fitting.add_plan, fitting.run_plan),
+    Command("generate", "answer a prompt from a mapped cache (optionally beside native)",
+            measuring.add_generate, measuring.run_generate),
     Command("demo", "the whole job on the embedded family: fit, verify, transfer, retention, latency",
             measuring.add_demo, measuring.run_demo),
-    Command("frontier", "retention vs time to first token over a grid of lever settings", measuring.add_frontier,
-            measuring.run_frontier),
-    Command("bench", "latency table: native prefill vs source prefill + map, with FLOP limits", measuring.add_bench,
-            measuring.run_bench),
-    Command("eval", "native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table", measuring.add_eval,
-            measuring.run_eval),
+    Command("frontier", "retention vs time to first token over a grid of lever settings",
+            measuring.add_frontier, measuring.run_frontier),
+    Command("bench", "latency table: native prefill vs source prefill + map, with FLOP limits",
+            measuring.add_bench, measuring.run_bench),
+    Command("eval", "native vs mapped (vs source) on lm-evaluation-harness tasks, the card's table",
+            measuring.add_eval, measuring.run_eval),
     Command("gap", "what the mapped target keeps of the target's lead over the source, on third-party text: gap "
-                   "recovered, free generation, TTFT", measuring.add_gap, measuring.run_gap),
+                   "recovered, free generation, TTFT",
+            measuring.add_gap, measuring.run_gap),
     Command("diagnose", "per-layer R², attention-output cosine, next-token KL and top-1 agreement",
             measuring.add_diagnose, measuring.run_diagnose),
-    Command("inspect", "show a mapper's pair, geometry, selection and fit summary", c.add_inspect, c.run_inspect),
-    Command("lm-eval", "lm-evaluation-harness's own command line, with the kvbridge model registered", None,
-            measuring.run_lm_eval, rest="lm_eval_args"),
+    Command("inspect", "show a mapper's pair, geometry, selection and fit summary",
+            release.add_inspect, release.run_inspect),
+    Command("lm-eval", "lm-evaluation-harness's own command line, with the kvbridge model registered",
+            None, measuring.run_lm_eval, rest="lm_eval_args"),
     Command("serve", "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
             s.add_serve, s.run_serve, serving=True, rest="vllm_args"),
     Command("serve-source", "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
             s.add_serve_source, s.run_serve_source, serving=True, rest="vllm_args"),
     Command("cascade", "a source server and a target server that reads the source's stored KV when a conversation "
-                       "escalates", s.add_cascade, s.run_cascade, serving=True, rest="vllm_args"),
+                       "escalates",
+            s.add_cascade, s.run_cascade, serving=True, rest="vllm_args"),
     Command("serve-bench", "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
             s.add_serve_bench, s.run_serve_bench, serving=True, rest="serve_args"),
     Command("cascade-bench", "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
             s.add_cascade_bench, s.run_cascade_bench, serving=True, rest="vllm_args"),
-    Command("load-bench", "serving under load: one Poisson trace against plain vLLM and kvbridge", s.add_load_bench,
-            s.run_load_bench, serving=True, rest="serve_args"),
-    Command("serve-eval", "the family tasks' retention through vLLM next to Bridge's", s.add_serve_eval,
-            s.run_serve_eval, serving=True),
-    Command("card", "write a Hub model card, artifact_manifest.json and example.py into an artifact", c.add_card,
-            c.run_card),
-    Command("push", "verify an artifact, then upload it to the Hugging Face Hub", c.add_push, c.run_push),
-    Command("verify", "check a mapper's files, checksums and tensor shapes (exit 1 on any problem)", c.add_verify,
-            c.run_verify),
+    Command("load-bench", "serving under load: one Poisson trace against plain vLLM and kvbridge",
+            s.add_load_bench, s.run_load_bench, serving=True, rest="serve_args"),
+    Command("serve-eval", "the family tasks' retention through vLLM next to Bridge's",
+            s.add_serve_eval, s.run_serve_eval, serving=True),
+    Command("card", "write a Hub model card, artifact_manifest.json and example.py into an artifact",
+            release.add_card, release.run_card),
+    Command("push", "verify an artifact, then upload it to the Hugging Face Hub",
+            release.add_push, release.run_push),
+    Command("verify", "check a mapper's files, checksums and tensor shapes (exit 1 on any problem)",
+            release.add_verify, release.run_verify),
 )
 BY_NAME = {command.name: command for command in COMMANDS}
 

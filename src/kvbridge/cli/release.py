@@ -1,5 +1,5 @@
-"""The library commands of ``kvbridge`` (fit, plan, generate, demo, frontier, bench, eval, gap, diagnose, inspect,
-lm-eval, card, push, verify): their options and what they run; :mod:`.registry` lists them."""
+"""The commands about a mapper artifact itself: ``kvbridge inspect`` (what it holds), ``verify`` (its integrity),
+``card`` (its model card) and ``push`` (to the Hugging Face Hub)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import KVBridgeError
-from .console import EPILOG, clip
-from .console import log as _log
+from .console import EPILOG, clip, log
 
 
 def add_inspect(p: argparse.ArgumentParser) -> None:
@@ -17,45 +16,6 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("mapper", help="mapper folder or hub id")
     p.add_argument("--revision", help="hub revision of the mapper")
     p.add_argument("--json", action="store_true", help="print mapper.json instead of the summary")
-
-
-def add_card(p: argparse.ArgumentParser) -> None:
-    """`kvbridge card`'s options."""
-    p.description = ("Adds README.md (a Hub model card: the pair with revisions and fingerprints, the fit, retention "
-                     "and latency tables rendered from result files, usage, limitations), artifact_manifest.json "
-                     "(provenance, file hashes, result summaries) and example.py (a runnable cache handoff) to a "
-                     "mapper folder. Figures come only from the files given; what was not measured is said to be "
-                     "missing. The three files stay outside checksums.sha256 (the mapper's identity).")
-    p.epilog = EPILOG
-    p.add_argument("mapper", help="mapper folder (kvbridge fit --out)")
-    p.add_argument("--eval", help="folder `kvbridge eval --out` wrote (results.json): the retention table")
-    p.add_argument("--bench", help="file `kvbridge bench --json` wrote: the latency table")
-    p.add_argument("--frontier", help="folder `kvbridge frontier --out` wrote: retention against speed")
-    p.add_argument("--demo", help="demo.json `kvbridge demo --out` wrote: family-task retention and latency")
-    p.add_argument("--repo-id", help="hub id the artifact will be pushed to, for the usage snippets")
-    p.add_argument("--license", default="mit", help="license of the mapper in the card's metadata (default: mit)")
-    p.add_argument("--force", action="store_true",
-                   help="replace README.md, example.py or artifact_manifest.json even when an earlier card did not "
-                        "write them (by default those are refused, so a file of yours is never overwritten)")
-
-
-def add_push(p: argparse.ArgumentParser) -> None:
-    """`kvbridge push`'s options."""
-    p.description = ("Verifies the artifact, creates the hub repo if needed and uploads the artifact's files (and its "
-                     "card, if `kvbridge card` wrote one) in one commit, then prints the commit to pin. Needs a token "
-                     "with write access (`hf auth login` or HF_TOKEN).")
-    p.epilog = EPILOG
-    p.add_argument("mapper", help="mapper folder")
-    p.add_argument("--repo-id", required=True, help="owner/name on the hub")
-    p.add_argument("--private", action="store_true", help="create the repo private")
-    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
-    p.add_argument("--token", help="hub token (default: the one `hf auth login` stored, or HF_TOKEN)")
-
-
-def add_verify(p: argparse.ArgumentParser) -> None:
-    """`kvbridge verify`'s options."""
-    p.add_argument("mapper", help="mapper folder or hub id")
-    p.add_argument("--revision", help="hub revision of the mapper")
 
 
 def run_inspect(args) -> int:
@@ -120,6 +80,20 @@ def run_inspect(args) -> int:
     return 0
 
 
+def _count(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def _number(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "?"
+
+
+def add_verify(p: argparse.ArgumentParser) -> None:
+    """`kvbridge verify`'s options."""
+    p.add_argument("mapper", help="mapper folder or hub id")
+    p.add_argument("--revision", help="hub revision of the mapper")
+
+
 def run_verify(args) -> int:
     from ..core.artifact import ARTIFACT_FILES, RUN_REPORT_FILE, leftovers, resolve
     from ..core.mapper import check_mapper
@@ -140,6 +114,26 @@ def run_verify(args) -> int:
     return 0
 
 
+def add_card(p: argparse.ArgumentParser) -> None:
+    """`kvbridge card`'s options."""
+    p.description = ("Adds README.md (a Hub model card: the pair with revisions and fingerprints, the fit, retention "
+                     "and latency tables rendered from result files, usage, limitations), artifact_manifest.json "
+                     "(provenance, file hashes, result summaries) and example.py (a runnable cache handoff) to a "
+                     "mapper folder. Figures come only from the files given; what was not measured is said to be "
+                     "missing. The three files stay outside checksums.sha256 (the mapper's identity).")
+    p.epilog = EPILOG
+    p.add_argument("mapper", help="mapper folder (kvbridge fit --out)")
+    p.add_argument("--eval", help="folder `kvbridge eval --out` wrote (results.json): the retention table")
+    p.add_argument("--bench", help="file `kvbridge bench --json` wrote: the latency table")
+    p.add_argument("--frontier", help="folder `kvbridge frontier --out` wrote: retention against speed")
+    p.add_argument("--demo", help="demo.json `kvbridge demo --out` wrote: family-task retention and latency")
+    p.add_argument("--repo-id", help="hub id the artifact will be pushed to, for the usage snippets")
+    p.add_argument("--license", default="mit", help="license of the mapper in the card's metadata (default: mit)")
+    p.add_argument("--force", action="store_true",
+                   help="replace README.md, example.py or artifact_manifest.json even when an earlier card did not "
+                        "write them (by default those are refused, so a file of yours is never overwritten)")
+
+
 def run_card(args) -> int:
     from ..release.card import write_card
 
@@ -153,6 +147,19 @@ def run_card(args) -> int:
     return 0
 
 
+def add_push(p: argparse.ArgumentParser) -> None:
+    """`kvbridge push`'s options."""
+    p.description = ("Verifies the artifact, creates the hub repo if needed and uploads the artifact's files (and its "
+                     "card, if `kvbridge card` wrote one) in one commit, then prints the commit to pin. Needs a token "
+                     "with write access (`hf auth login` or HF_TOKEN).")
+    p.epilog = EPILOG
+    p.add_argument("mapper", help="mapper folder")
+    p.add_argument("--repo-id", required=True, help="owner/name on the hub")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
+    p.add_argument("--token", help="hub token (default: the one `hf auth login` stored, or HF_TOKEN)")
+
+
 def run_push(args) -> int:
     from ..core.artifact import KNOWN_FILES
     from ..core.hub import push_folder
@@ -164,20 +171,10 @@ def run_push(args) -> int:
     files = sorted(n for n in KNOWN_FILES if (folder / n).is_file())
     stale = sorted(KNOWN_FILES - set(files))  # a card or fit report of an earlier push must not describe this one
     if CARD_FILE not in files:
-        _log(f"note: {folder} has no model card; `kvbridge card {folder}` writes one (README.md).")
+        log(f"note: {folder} has no model card; `kvbridge card {folder}` writes one (README.md).")
     commit, url, pr = push_folder(folder, args.repo_id, files, ArtifactError, private=args.private,
                                   create_pr=args.create_pr, token=args.token, delete=stale)
     print(f"pushed {len(files)} files to {args.repo_id}: {pr or url}")
     print(f"pin this commit: Mapper.from_pretrained({args.repo_id!r}, revision={commit!r})"
           f"  (CLI: --mapper {args.repo_id} --mapper-revision {commit})")
     return 0
-
-
-def _count(value) -> str:
-    return f"{value:,}" if isinstance(value, int) else "?"
-
-
-def _number(value) -> str:
-    return f"{value:.4f}" if isinstance(value, (int, float)) else "?"
-
-
