@@ -95,7 +95,7 @@ def test_values_no_model_holds_are_refused():
 def test_cascade_and_source_arguments_name_the_lmcache_server(tmp_path):
     from kvbridge import family
     from kvbridge.cli.registry import parse
-    from kvbridge.cli.serving import pair_argv
+    from kvbridge.cli.serve import pair_argv
     from kvbridge.serving.launch import source_argv
 
     args = parse(["cascade", "--lmcache", "tcp://10.0.0.2:6000"])

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..version import __version__
-from . import fitting, measuring, release
+from . import fitting, measuring, release, serve
 from . import serving as s
 from .console import EPILOG
 
@@ -53,12 +53,12 @@ COMMANDS = (
     Command("lm-eval", "lm-evaluation-harness's own command line, with the kvbridge model registered",
             None, measuring.run_lm_eval, rest="lm_eval_args"),
     Command("serve", "vLLM's OpenAI-compatible server for the target, prefixes mapped by the kvbridge connector",
-            s.add_serve, s.run_serve, serving=True, rest="vllm_args"),
+            serve.add_serve, serve.run_serve, serving=True, rest="vllm_args"),
     Command("serve-source", "vLLM's server for the source, storing its KV (mapped ahead) for a target server to read",
-            s.add_serve_source, s.run_serve_source, serving=True, rest="vllm_args"),
+            serve.add_serve_source, serve.run_serve_source, serving=True, rest="vllm_args"),
     Command("cascade", "a source server and a target server that reads the source's stored KV when a conversation "
                        "escalates",
-            s.add_cascade, s.run_cascade, serving=True, rest="vllm_args"),
+            serve.add_cascade, serve.run_cascade, serving=True, rest="vllm_args"),
     Command("serve-bench", "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
             s.add_serve_bench, s.run_serve_bench, serving=True, rest="serve_args"),
     Command("cascade-bench", "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
