@@ -147,7 +147,8 @@ ENGINE = {f"kvbridge.serving.engine.{m}" for m in ("config", "connector", "produ
 ABOVE_ENGINE = {f"kvbridge.serving.bench.{m}" for m in ("ttft", "cascade", "quality", "load", "lmcache_probe")} | {
     "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.measure.demo", "kvbridge.measure.frontier",
     "kvbridge.measure.gap"} | {
-    f"kvbridge.cli.{m}" for m in ("app", "registry", "args", "fitting", "measuring", "release", "serve", "serving")}
+    f"kvbridge.cli.{m}" for m in ("app", "registry", "args", "console", "fitting", "measuring", "release", "serve",
+                                  "serve_bench", "load_bench")}
 
 
 def test_engine_code_never_reaches_the_launchers():

@@ -315,7 +315,7 @@ def test_the_ab_warm_way_stores_first_then_pairs_plain_with_warm(monkeypatch):
 
 
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
-    from kvbridge.cli.serving import _load_source_argv
+    from kvbridge.cli.load_bench import _load_source_argv
 
     argv = _load_source_argv(["--mapper", "m", "--target=t", "--max-model-len", "2048", "--recompute", "0",
                               "--hold-back", "4", "--block-size", "64", "--connector-dtype", "bfloat16"], "/tmp/s")

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..version import __version__
-from . import fitting, measuring, release, serve
-from . import serving as s
+from . import fitting, load_bench, measuring, release, serve, serve_bench
 from .console import EPILOG
 
 
@@ -60,13 +59,13 @@ COMMANDS = (
                        "escalates",
             serve.add_cascade, serve.run_cascade, serving=True, rest="vllm_args"),
     Command("serve-bench", "time to first token through vLLM, native vs mapped, at several lengths and concurrencies",
-            s.add_serve_bench, s.run_serve_bench, serving=True, rest="serve_args"),
+            serve_bench.add_serve_bench, serve_bench.run_serve_bench, serving=True, rest="serve_args"),
     Command("cascade-bench", "escalated turns' TTFT through the cascade: stored, prewarmed and cold against native",
-            s.add_cascade_bench, s.run_cascade_bench, serving=True, rest="vllm_args"),
+            serve_bench.add_cascade_bench, serve_bench.run_cascade_bench, serving=True, rest="vllm_args"),
     Command("load-bench", "serving under load: one Poisson trace against plain vLLM and kvbridge",
-            s.add_load_bench, s.run_load_bench, serving=True, rest="serve_args"),
+            load_bench.add_load_bench, load_bench.run_load_bench, serving=True, rest="serve_args"),
     Command("serve-eval", "the family tasks' retention through vLLM next to Bridge's",
-            s.add_serve_eval, s.run_serve_eval, serving=True),
+            serve_bench.add_serve_eval, serve_bench.run_serve_eval, serving=True),
     Command("card", "write a Hub model card, artifact_manifest.json and example.py into an artifact",
             release.add_card, release.run_card),
     Command("push", "verify an artifact, then upload it to the Hugging Face Hub",

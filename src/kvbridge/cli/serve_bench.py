@@ -1,15 +1,15 @@
-"""The serving commands: ``kvbridge serve``, ``serve-source``, ``cascade``, ``serve-bench``, ``load-bench``,
-``cascade-bench`` and ``serve-eval`` (their options and what they run; :mod:`.registry` lists them).
+"""The serving benchmarks: ``kvbridge serve-bench`` (TTFT through vLLM, native vs mapped), ``cascade-bench``
+(escalated turns through a cascade) and ``serve-eval`` (retention through the engine); ``load-bench`` is in
+:mod:`.load_bench`.
 
-Each parses its own options and passes the ones it does not know on: ``serve`` and ``serve-source`` to ``vllm
-serve``, the benchmarks to the servers they start.
+Each parses its own options; serve-bench and cascade-bench pass the ones they do not know on to the servers they
+start.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from pathlib import Path
 
 from ..core.outputs import check_output_file
@@ -146,12 +146,7 @@ def run_serve_bench(args) -> int:
         raise KVBridgeError(f"the server refused a benchmark request ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:300]}); check --model, --contexts against the server's "
                             "--max-model-len, and the server's log.") from None
-    import platform
-
-    import torch
-
-    report["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    report["device"] = serving_device()
     print(f"\n{report['device']}; median of {report['rounds']} rounds after {report['warmup_rounds']} warm-ups; "
           f"{report['new_tokens']} tokens per request; cold transfer (the source prefills inside the connector)\n")
     print(engine_table(report))
@@ -294,7 +289,7 @@ def run_cascade_bench(args) -> int:
         raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0][:300]}); check --histories against the servers' "
                             "--max-model-len, and their logs.") from None
-    report["device"] = _device()
+    report["device"] = serving_device()
     report["command"] = "kvbridge cascade-bench " + " ".join(args.argv)
     if args.lmcache:
         report["lmcache"] = args.lmcache
@@ -379,7 +374,7 @@ def _first_model(url: str) -> str:
                             "(http://HOST:PORT).") from None
 
 
-def _device() -> str:
+def serving_device() -> str:
     import platform
 
     import torch
@@ -388,192 +383,3 @@ def _device() -> str:
             else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
 
 
-def add_load_bench(p: argparse.ArgumentParser) -> None:
-    """`kvbridge load-bench`'s options."""
-    from ..serving.bench.load import DEFAULT_WAYS, LEAD_S, SETTLE_S, WAYS
-
-    p.description = ("Serving under load: starts `kvbridge serve --plain` (the target in vLLM alone) and `kvbridge "
-                     "serve` side by side (every option this command does not know goes to both), then replays one "
-                     "seeded open-loop trace — Poisson arrivals, prompts of mixed lengths, each with a cache salt of "
-                     "its own — against each way (plain: vLLM alone; native: kvbridge serve, no transfer; mapped-sync "
-                     "/ mapped-async: cold transfer, the map inside or beside the engine's step; warm: escalated "
-                     "requests, each prompt served and stored earlier by a third server, `kvbridge serve-source "
-                     "--store` mapping ahead, which this command starts when a way needs it; prewarm: the source's "
-                     "turn at each arrival, under the load, and the target's server loading it into its prefix cache "
-                     "ahead of the escalated request; native-prewarm: the same source turn unstored, then the prompt "
-                     "re-sent to plain vLLM ahead, as a router without kvbridge would; ab: every arrival sent to "
-                     "plain vLLM and to kvbridge native at once; ab-warm: the same with warm), each way unloaded "
-                     "first (one request at a time), then at each rate, the ways' order alternating per rate. TTFT "
-                     "and end-to-end p50/p90/p99 with 95 % bootstrap intervals, output throughput, and the prompt "
-                     "tokens the target computed, from vLLM's /metrics.")
-    p.add_argument("--rates", default="1,3", help="request rates, per second (default: 1,3)")
-    p.add_argument("--requests", type=int, default=40, help="requests per rate and way (default: 40)")
-    p.add_argument("--unloaded", type=int, default=8,
-                   help="the trace's first requests sent one at a time per way: the unloaded figures (default: 8)")
-    p.add_argument("--lengths", default="256,2000", help="prompt lengths MIN,MAX in tokens, drawn uniformly "
-                                                         "(default: 256,2000)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default: 32)")
-    p.add_argument("--seed", type=int, default=0, help="the trace's seed (default: 0)")
-    p.add_argument("--ways", default=",".join(DEFAULT_WAYS),
-                   help=f"which ways, of {', '.join(WAYS)} (default: {','.join(DEFAULT_WAYS)})")
-    p.add_argument("--warm-settle", type=float, default=SETTLE_S, metavar="S",
-                   help="the warm and ab-warm ways: seconds between the source's maps ahead of the way's prompts "
-                        "done and the way's run, for the target's memory tier to load them, as it would between a "
-                        "conversation's source turns and its escalation (default: %(default)s)")
-    p.add_argument("--prewarm-lead", type=float, default=LEAD_S, metavar="S",
-                   help="the prewarm ways: seconds from an arrival (its source turn sent) to its escalated request "
-                        "(default: %(default)s)")
-    p.add_argument("--json", help="write the report to this file (and its table beside it as .md)")
-    p.add_argument("--log", default="kvbridge-load-bench", help="the started servers' logs: PREFIX-plain.log, "
-                                                                "PREFIX-kvbridge.log and PREFIX-source.log (default: "
-                                                                "%(default)s)")
-
-
-def _load_source_argv(rest: list[str], store: str) -> list[str]:
-    """``kvbridge serve-source`` arguments for load-bench's ways that need the source (warm, ab-warm, prewarm,
-    native-prewarm): storing into ``store`` and mapping ahead with the
-    kvbridge server's own pair and mapper (those of its flags in ``rest``), at its engine sizes."""
-    from ..serving.launch import flag_value
-
-    argv = ["--store", store, "--map-ahead", "--served-model-name", "load-source"]
-    for flag in ("--source", "--source-revision", "--mapper", "--mapper-revision", "--target", "--target-revision",
-                 "--max-model-len", "--max-num-seqs", "--block-size", "--gpu-memory-utilization"):
-        value = flag_value(rest, flag)
-        if value is not None:
-            argv += [flag, value]
-    dtype = flag_value(rest, "--connector-dtype")  # the target reads entries mapped in its connector's dtype only
-    if dtype not in (None, "auto"):
-        argv += ["--map-dtype", dtype]
-    return argv
-
-
-def run_load_bench(args) -> int:
-    import asyncio
-    import json
-    import platform
-    import sys
-    from datetime import datetime, timezone
-
-    from transformers import AutoTokenizer
-
-    from .. import family
-    from ..core.models import resolve_model
-    from ..core.outputs import write_text
-    from ..measure.suite import _commit
-    from ..serving.bench.load import (
-        PAIRED,
-        PLAIN_SERVER,
-        SOURCED,
-        WAYS,
-        load_table,
-        loaded_ratios,
-        poisson_trace,
-        run_ways,
-        to_dict,
-    )
-    from ..serving.bench.ttft import heldout_stream
-    from ..serving.launch import flag_value, given_flags, launched_together
-
-    try:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    except ValueError:
-        rates = []
-    if not rates or any(not (0 < r < 1e6) for r in rates):
-        raise KVBridgeError(f"--rates must be comma-separated positive request rates, e.g. 1,3, not {args.rates!r}.")
-    lengths = counts(args.lengths, minimum=2, flag="--lengths")
-    if len(lengths) != 2 or lengths[0] > lengths[1]:
-        raise KVBridgeError(f"--lengths must be MIN,MAX with MIN <= MAX, e.g. 256,2000, not {args.lengths!r}.")
-    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
-    if not ways or set(ways) - set(WAYS) or len(set(ways)) != len(ways):
-        raise KVBridgeError(f"--ways must be distinct names of {', '.join(WAYS)}, not {args.ways!r}.")
-    if not 0 <= args.warm_settle <= 3600:
-        raise KVBridgeError(f"--warm-settle must be between 0 and 3600 seconds, not {args.warm_settle}.")
-    if not 0 <= args.prewarm_lead <= 600:
-        raise KVBridgeError(f"--prewarm-lead must be between 0 and 600 seconds, not {args.prewarm_lead}.")
-    if args.requests < 2 or args.unloaded < 2 or args.new_tokens < 1:
-        raise KVBridgeError("--requests and --unloaded must be at least 2, --new-tokens at least 1.")
-    if args.json:
-        check_output_file(args.json, "--json")
-    require("openai", "serve", "kvbridge load-bench")
-    rest = list(args.serve_args)
-    if {"--port", "--served-model-name", "--plain"} & given_flags(rest):
-        raise KVBridgeError("kvbridge load-bench picks the servers' ports and names itself; drop --port, "
-                            "--served-model-name and --plain.")
-    if set(ways) & set(SOURCED) and {"--store", "--lmcache"} & given_flags(rest):
-        raise KVBridgeError("the warm and prewarm ways store into a folder of their own, which load-bench creates and "
-                            "removes; drop --store and --lmcache.")
-    target = flag_value(rest, "--target")
-    target = resolve_model(target, flag_value(rest, "--target-revision")) if target else family.target_path()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    stream = heldout_stream(tokenizer)
-    traces = {rate: poisson_trace(rate, args.requests, (lengths[0], lengths[1]), args.seed, len(stream))
-              for rate in rates}
-    unloaded = traces[rates[0]][:args.unloaded]
-    servers = {"plain": ["--plain"]} if set(ways) & set(PLAIN_SERVER) else {}
-    if set(ways) - {"plain", "native-prewarm"}:
-        servers["kvbridge"] = []
-    sourced = bool(set(ways) & set(SOURCED))
-    say = lambda m: log(f"  {m}")  # noqa: E731
-    run_id = os.urandom(4).hex()
-    import openai
-
-    with contextlib.ExitStack() as stack:
-        started, store = [], None  # (kvbridge arguments, log, command), all started at once
-        if sourced:  # the kvbridge server reads the store the source creates (once it exists: lazily)
-            import shutil
-            import tempfile
-
-            store = tempfile.mkdtemp(prefix="kvbridge-load-store-")
-            stack.callback(shutil.rmtree, store, True)
-            if "kvbridge" in servers:
-                servers["kvbridge"] = ["--store", store]
-            started.append((_load_source_argv(rest, store), f"{args.log}-source.log", "serve-source"))
-        started += [([*extra, *rest, "--served-model-name", f"load-{name}"], f"{args.log}-{name}.log", "serve")
-                    for name, extra in servers.items()]
-        for argv, path, command in started:
-            log(f"starting kvbridge {command} {' '.join(argv)} (log: {path})")
-        started_urls = stack.enter_context(launched_together(started, timeout_s=900))
-        source = (started_urls[0], "load-source") if sourced else None
-        urls = dict(zip(servers, started_urls[1:] if source else started_urls))
-        served = {w: "plain" if w in PLAIN_SERVER else "kvbridge" for w in ways if w not in PAIRED}
-        for way in set(ways) & set(PAIRED):  # its two halves: plain vLLM and the kvbridge server
-            served.update(zip(PAIRED[way], ("plain", "kvbridge")))
-        by_way = {w: urls[server] for w, server in served.items()}
-        models = {w: f"load-{server}" for w, server in served.items()}
-        try:
-            results = asyncio.run(run_ways(by_way, models, ways, rates, traces, unloaded, stream,
-                                           tokenizer.bos_token_id, args.new_tokens, run_id, say, source=source,
-                                           store=store, settle_s=args.warm_settle, lead_s=args.prewarm_lead))
-        except openai.OpenAIError as exc:
-            raise KVBridgeError(f"a server refused a benchmark request ({type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:300]}); check --lengths against the servers' "
-                                f"--max-model-len, and the logs {args.log}-*.log.") from None
-    import torch
-    import vllm
-
-    report = {"command": "kvbridge load-bench " + " ".join(args.argv), "argv": sys.argv, "commit": _commit(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                          "torch_threads": torch.get_num_threads(), "vllm": vllm.__version__,
-                          "device": _device()},
-              "rates": rates, "requests": args.requests, "unloaded": args.unloaded, "lengths": lengths,
-              "new_tokens": args.new_tokens, "seed": args.seed, "ways": ways, "server_args": rest,
-              "warm_settle_s": args.warm_settle if {"warm", "ab-warm"} & set(ways) else None,
-              "prewarm_lead_s": args.prewarm_lead if {"prewarm", "native-prewarm"} & set(ways) else None,
-              "trace_lengths": {str(r): [a.length for a in t] for r, t in traces.items()},
-              "results": to_dict(results)}
-    report["load"] = loaded_ratios(report)
-    table = load_table(report)
-    print(f"\n{report['machine']['device']}; {args.requests} requests per rate and way, prompts "
-          f"{lengths[0]}–{lengths[1]} tokens, {args.new_tokens} new tokens each; commit {report['commit']}\n")
-    print(table)
-    for line in report["load"]:
-        print(line)
-    if args.json:
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
-        header = (f"`{report['command']}` — commit {report['commit']}, {report['date']}, {report['machine']['device']}"
-                  f", vLLM {report['machine']['vllm']}\n\n")
-        write_text(str(Path(args.json).with_suffix(".md")),
-                   header + table + "\n\n" + "\n".join(f"- {x}" for x in report["load"]) + "\n")
-    return 0
