@@ -233,28 +233,10 @@ def run_cascade_bench(args) -> int:
 
     from ..serving.bench.cascade import launched_pair, run_cascade_bench
     from ..serving.bench.cascade_report import cascade_table, write_cascade
-    from ..serving.launch import target_parallel
 
     if args.table:
         return _cascade_table_of(args.table)
-    target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
-    histories = counts(args.histories, minimum=256, flag="--histories")
-    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \
-            args.native_rest < 0:
-        raise KVBridgeError("--conversations, --new-tokens and --question-tokens must be >= 1, --warmup and "
-                            "--native-rest >= 0.")
-    if (args.source_url is None) != (args.target_url is None):
-        raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
-                            "neither to start them.")
-    if args.baseline_url and not args.source_url:
-        raise KVBridgeError("--baseline-url goes with --source-url and --target-url (running servers); to start one, "
-                            "pass --source-baseline.")
-    if args.source_baseline and args.source_url and not args.baseline_url:
-        raise KVBridgeError("--source-baseline starts its server beside the ones it starts; with --source-url, give a "
-                            "running `kvbridge serve-source --no-store` as --baseline-url.")
-    _check_lmcache_pair(args)
-    if args.json:
-        check_output_file(args.json, "--json")
+    histories = _cascade_bench_settings(args)
     require("openai", "serve", "kvbridge cascade-bench")
     config, _, _ = pair_config(args)
     tokenizer = AutoTokenizer.from_pretrained(config.target)
@@ -300,6 +282,31 @@ def run_cascade_bench(args) -> int:
     if args.json:
         write_cascade(report, args.json)
     return 0
+
+
+def _cascade_bench_settings(args) -> list[int]:
+    """cascade-bench's options, checked before anything starts; its history lengths."""
+    from ..serving.launch import target_parallel
+
+    target_parallel(args.vllm_args)  # (the vLLM options go to the target's server)
+    histories = counts(args.histories, minimum=256, flag="--histories")
+    if args.conversations < 1 or args.warmup < 0 or args.new_tokens < 1 or args.question_tokens < 1 or \
+            args.native_rest < 0:
+        raise KVBridgeError("--conversations, --new-tokens and --question-tokens must be >= 1, --warmup and "
+                            "--native-rest >= 0.")
+    if (args.source_url is None) != (args.target_url is None):
+        raise KVBridgeError("give --source-url and --target-url together (two running servers sharing a store), or "
+                            "neither to start them.")
+    if args.baseline_url and not args.source_url:
+        raise KVBridgeError("--baseline-url goes with --source-url and --target-url (running servers); to start one, "
+                            "pass --source-baseline.")
+    if args.source_baseline and args.source_url and not args.baseline_url:
+        raise KVBridgeError("--source-baseline starts its server beside the ones it starts; with --source-url, give a "
+                            "running `kvbridge serve-source --no-store` as --baseline-url.")
+    _check_lmcache_pair(args)
+    if args.json:
+        check_output_file(args.json, "--json")
+    return histories
 
 
 def _check_lmcache_pair(args) -> None:
