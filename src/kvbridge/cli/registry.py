@@ -3,7 +3,8 @@ options to a parser (and sets the parser's description), the function that runs 
 ``kvbridge --help`` and :func:`kvbridge.cli.app.main`'s dispatch are built from it.
 
 The modules it names import only the standard library and kvbridge's light modules at their top: each handler
-imports what it needs (torch's code, transformers, vLLM, lm-eval) when it runs, so ``kvbridge --help`` loads no vLLM.
+imports what it needs (the measurements, transformers, vLLM, lm-eval) when it runs, so ``kvbridge --help`` never
+loads vLLM.
 """
 
 from __future__ import annotations
