@@ -332,21 +332,20 @@ def test_a_saved_escalation_report_is_tabled_again(capsys, tmp_path):
 
 def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     from kvbridge import family
-    from kvbridge.cli.serving import _serve_source_parser, _store_config, pair_argv
+    from kvbridge.cli.registry import parse
+    from kvbridge.cli.serve import pair_argv, store_config
     from kvbridge.errors import CompatibilityError, KVBridgeError
     from kvbridge.serving.engine.config import StoreConfig
 
     with pytest.raises(InputError, match="both"):
         StoreConfig(store=str(tmp_path), mapper=family.mapper_path())
-    args = _serve_source_parser().parse_args(["--store", str(tmp_path), "--map-ahead"])
-    args.vllm_args = []
-    config = _store_config(args, family.source_path())
+    args = parse(["serve-source", "--store", str(tmp_path), "--map-ahead"])
+    config = store_config(args, family.source_path())
     assert (config.mapper, config.target) == (family.mapper_path(), family.target_path())
-    assert _store_config(_serve_source_parser().parse_args(["--store", str(tmp_path)]), family.source_path()).mapper \
-        is None
+    assert store_config(parse(["serve-source", "--store", str(tmp_path)]), family.source_path()).mapper is None
     # the mapper is fitted for the embedded source: a map-ahead for another source is refused in one line
     with pytest.raises((CompatibilityError, KVBridgeError), match="source"):
-        _store_config(args, family.target_path())
+        store_config(args, family.target_path())
     cascade = argparse_cascade(["--store", str(tmp_path)])
     assert "--map-ahead" in pair_argv(cascade)[0]
     assert "--map-ahead" not in pair_argv(argparse_cascade(["--store", str(tmp_path), "--no-map-ahead"]))[0]
@@ -354,18 +353,16 @@ def test_map_ahead_settings_are_checked_before_an_engine_starts(tmp_path):
     assert "--prewarm" not in pair_argv(cascade)[0]
     assert "--prewarm" in pair_argv(argparse_cascade(["--store", str(tmp_path), "--prewarm"]))[0]
     args.prewarm = True
-    assert _store_config(args, family.source_path()).prewarm is True
+    assert store_config(args, family.source_path()).prewarm is True
     # the memory tier's size goes to the target's server
     target = pair_argv(argparse_cascade(["--store", str(tmp_path), "--store-memory-gb", "0.5"]))[1]
     assert target[target.index("--store-memory-gb") + 1] == "0.5"
 
 
 def argparse_cascade(argv):
-    from kvbridge.cli.serving import _cascade_parser
+    from kvbridge.cli.registry import parse
 
-    args, rest = _cascade_parser().parse_known_args(argv)
-    args.vllm_args = rest
-    return args
+    return parse(["cascade", *argv])
 
 
 def test_map_ahead_refuses_a_rope_that_depends_on_the_prompts_length(tmp_path):

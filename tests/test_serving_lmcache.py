@@ -94,11 +94,11 @@ def test_values_no_model_holds_are_refused():
 
 def test_cascade_and_source_arguments_name_the_lmcache_server(tmp_path):
     from kvbridge import family
-    from kvbridge.cli.serving import _cascade_parser, pair_argv
+    from kvbridge.cli.registry import parse
+    from kvbridge.cli.serve import pair_argv
     from kvbridge.serving.launch import source_argv
 
-    args, rest = _cascade_parser().parse_known_args(["--lmcache", "tcp://10.0.0.2:6000"])
-    args.vllm_args = rest
+    args = parse(["cascade", "--lmcache", "tcp://10.0.0.2:6000"])
     source, target = pair_argv(args, "tcp://10.0.0.2:6000")
     for argv in (source, target):
         assert argv[argv.index("--lmcache") + 1] == "tcp://10.0.0.2:6000" and "--store" not in argv

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
@@ -315,7 +316,7 @@ def test_the_ab_warm_way_stores_first_then_pairs_plain_with_warm(monkeypatch):
 
 
 def test_the_warm_ways_source_server_serves_the_kvbridge_servers_pair_and_mapper():
-    from kvbridge.cli.serving import _load_source_argv
+    from kvbridge.cli.load_bench import _load_source_argv
 
     argv = _load_source_argv(["--mapper", "m", "--target=t", "--max-model-len", "2048", "--recompute", "0",
                               "--hold-back", "4", "--block-size", "64", "--connector-dtype", "bfloat16"], "/tmp/s")
@@ -352,3 +353,60 @@ def test_the_warm_way_waits_for_the_sources_maps_ahead(tmp_path):
     asyncio.run(quiet(None))
     asyncio.run(quiet(str(tmp_path / "none"), quiet_s=0.2, max_s=0.5))  # no journal yet: quiet too
     assert time.monotonic() - start < 2
+
+
+def test_load_bench_starts_the_servers_its_ways_need_and_writes_its_report(monkeypatch, tmp_path, capsys):
+    """`kvbridge load-bench` end to end, engines faked: the storing source, plain vLLM and the kvbridge server (it
+    reads the source's store) started once each, with the options load-bench does not know; each way sent to its
+    server; the store removed afterwards; the report, its table and the loaded ratios written."""
+    pytest.importorskip("openai")
+    import contextlib
+    import json
+    import sys
+    import types
+
+    from kvbridge.cli import main
+    from kvbridge.serving import launch
+    from kvbridge.serving.bench import load
+
+    started, seen = [], {}
+
+    @contextlib.contextmanager
+    def together(servers, timeout_s=300.0):
+        started.extend(servers)
+        yield [f"http://127.0.0.1:{9000 + i}" for i in range(len(servers))]
+
+    async def run_ways(urls, models, ways, rates, traces, unloaded, stream, bos, new_tokens, run_id, progress=print,
+                       source=None, store=None, settle_s=0.0, lead_s=0.0):
+        seen.update(urls=urls, models=models, source=source, store=store, unloaded=len(unloaded),
+                    store_there=Path(store).is_dir(), lengths={a.length for t in traces.values() for a in t})
+        rows = [{"ttft_ms": 10.0 + i, "e2e_ms": 30.0 + i, "tokens": new_tokens} for i in range(4)]
+        return [way_result(w, r, rows, 1.0, {}, {}, replicates=50) for r in (None, *rates) for w in ways]
+
+    monkeypatch.setattr(launch, "launched_together", together)
+    monkeypatch.setattr(load, "run_ways", run_ways)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.0-test"))
+    out = tmp_path / "load.json"
+    assert main(["load-bench", "--ways", "plain,warm", "--rates", "2", "--requests", "3", "--unloaded", "2",
+                 "--lengths", "300,400", "--json", str(out), "--log", str(tmp_path / "log"),
+                 "--max-model-len", "2048"]) == 0
+    store = seen["store"]
+    assert [(argv, command) for argv, _, command in started] == [
+        (["--store", store, "--map-ahead", "--served-model-name", "load-source", "--max-model-len", "2048"],
+         "serve-source"),
+        (["--plain", "--max-model-len", "2048", "--served-model-name", "load-plain"], "serve"),
+        (["--store", store, "--max-model-len", "2048", "--served-model-name", "load-kvbridge"], "serve")]
+    assert seen["urls"] == {"plain": "http://127.0.0.1:9001", "warm": "http://127.0.0.1:9002"}
+    assert seen["models"] == {"plain": "load-plain", "warm": "load-kvbridge"}
+    assert seen["source"] == ("http://127.0.0.1:9000", "load-source") and seen["store_there"]
+    assert not Path(store).exists() and seen["unloaded"] == 2 and seen["lengths"] <= set(range(300, 401))
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("kvbridge load-bench --ways plain,warm") and report["ways"] == ["plain", "warm"]
+    assert report["server_args"] == ["--max-model-len", "2048"] and report["machine"]["vllm"] == "0.0-test"
+    assert report["warm_settle_s"] == load.SETTLE_S and report["prewarm_lead_s"] is None
+    assert [(r["way"], r["rate"]) for r in report["results"]] == [("plain", None), ("warm", None), ("plain", 2.0),
+                                                                   ("warm", 2.0)]
+    assert report["load"][0].startswith("at 2 req/s plain vLLM's p90 TTFT is 1.00×")
+    printed = capsys.readouterr().out
+    assert "| 2 | warm | 4 |" in printed and report["load"][0] in printed
+    assert out.with_suffix(".md").read_text().startswith(f"`{report['command']}`")

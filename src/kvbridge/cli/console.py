@@ -40,3 +40,8 @@ def counts(text: str, minimum: int, flag: str = "--contexts") -> list[int]:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis last where it was cut."""
+    return text if len(text) <= width else text[: width - 1] + "…"
