@@ -277,10 +277,10 @@ def test_frontier_quick_writes_its_three_files(tmp_path, capsys, monkeypatch):
 
     # some point is recommended at any speed
     monkeypatch.setattr(kvbridge.measure.frontier, "MIN_SPEEDUP", float("-inf"))
-    assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--items", "9", "--out", str(tmp_path)]) == 0
+    assert main(["frontier", "--quick", "--quiet", "--seed", "3", "--items", "4", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "frontier.json").read_text())
     assert report["fit"]["seed"] == 3  # every fit of the grid used it
-    assert report["items"] == 9  # the held-out rows asked for (the quick grid's own: 8)
+    assert report["items"] == 4  # the held-out rows asked for (the quick grid's own: 8)
     names = [p["name"] for p in report["points"]]
     assert report["recommended"] in names and set(report["pareto"]) <= set(names)
     assert not report["recommended"].endswith("(control)")
