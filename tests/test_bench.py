@@ -58,7 +58,8 @@ def tiny_mapper(tiny_pair, tmp_path_factory):
     source, target, texts = tiny_pair
     out = tmp_path_factory.mktemp("bench") / "mapper"
     assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out),
-                 "--num-texts", "4", "--seq-len", "32", "--heldout-texts", "0", "--quiet"]) == 0
+                 "--num-texts", "4", "--seq-len", "32", "--heldout-texts", "0", "--mlp-steps", "30",
+                 "--tune-steps", "10", "--quiet"]) == 0
     return source, target, str(out)
 
 

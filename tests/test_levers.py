@@ -126,10 +126,11 @@ def test_fit_with_levers_end_to_end(tiny_pair, tmp_path):
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
     texts = read_texts(tiny_pair[2])
     # every source layer for every map and the lever (the defaults read one: both cases are in the counts below)
-    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, tune_steps=20, top_k=None, lever_top_k=None)
+    base = dict(num_texts=24, seq_len=48, stride=1, heldout_texts=4, mlp_steps=30, tune_steps=20, top_k=None,
+                lever_top_k=None)
     plain = fit_mapper(source, target, texts, FitConfig(**base), progress=False)
     levered = fit_mapper(source, target, texts, FitConfig(**base, lags=(0, 1), lever_inputs="kv", mlp_hidden=8,
-                                                          mlp_steps=30, lever_layers=(2,)), progress=False)
+                                                          lever_layers=(2,)), progress=False)
     assert [(v.kind, v.layer, v.lags, v.hidden) for v in levered.config.levers] == [("key", 2, (0, 1), 8)]
     report = levered.config.fit["levers"]["key.2"]
     assert report["features"] == 2 * 2 * 2 * 32 and 0 < report["r2_fit_linear"] <= 1

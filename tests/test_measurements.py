@@ -229,7 +229,7 @@ def test_fitted_mapper_scores_the_same_batched_and_alone(tiny_pair):
     from kvbridge.fit.texts import read_texts
 
     source, target = load_model(tiny_pair[0]), load_model(tiny_pair[1])
-    config = FitConfig(num_texts=8, seq_len=48, heldout_texts=0, tune_steps=20)
+    config = FitConfig(num_texts=8, seq_len=48, heldout_texts=0, mlp_steps=30, tune_steps=20)
     mapper = fit_mapper(source, target, read_texts(tiny_pair[2]), config, progress=False)
     continuations = [" and keyword arguments.", " is useful", " returns it"]
     # hold-back 4 is below every prompt's length here; a longer one would shrink to the batch's shortest prompt
@@ -261,7 +261,7 @@ def test_calibration_hash_has_one_definition(tiny_pair, tmp_path):
     source, target, texts = tiny_pair
     out = tmp_path / "m"
     assert main(["fit", "--source", source, "--target", target, "--texts", texts, "--out", str(out), "--num-texts", "4",
-                 "--seq-len", "32", "--heldout-texts", "0", "--quiet"]) == 0
+                 "--seq-len", "32", "--heldout-texts", "0", "--mlp-steps", "30", "--tune-steps", "10", "--quiet"]) == 0
     fit = json.loads((out / "mapper.json").read_text())["fit"]
     assert fit["calibration_sha256"] == sha256_texts(read_texts(texts))
     assert not math.isnan(fit["key_r2_fit_mean"])
