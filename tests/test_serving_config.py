@@ -224,13 +224,14 @@ def test_what_no_route_may_pass_to_the_engine(body, match):
 
 
 def test_warm_transfer_settings_and_the_source_servers_arguments(tmp_path, tiny_vlm):
-    from kvbridge.serving.engine.config import StoreConfig, client_salt, request_use_store
+    from kvbridge.serving.engine.config import StoreConfig, StoreUse, client_salt, request_use_store
     from kvbridge.serving.launch import source_argv
     from kvbridge.serving.store.folder import KVStore
 
-    assert request_use_store(None) and request_use_store({"kvbridge_store": False}) is False
-    assert request_use_store({"kvbridge_store": "source"}) == "source"
-    assert request_use_store({"kvbridge_store": "folder"}) == "folder"
+    assert request_use_store(None) is request_use_store({"kvbridge_store": True}) is StoreUse.ON
+    assert request_use_store({"kvbridge_store": False}) is StoreUse.OFF and not StoreUse.OFF.reads_store
+    assert request_use_store({"kvbridge_store": "source"}) is StoreUse.SOURCE and not StoreUse.SOURCE.reads_ahead
+    assert request_use_store({"kvbridge_store": "folder"}) is StoreUse.FOLDER and not StoreUse.FOLDER.from_memory
     with pytest.raises(InputError, match="kvbridge_store"):
         request_use_store({"kvbridge_store": "no"})
     from kvbridge.serving.engine.config import request_native_rest

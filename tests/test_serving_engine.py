@@ -223,7 +223,7 @@ def test_the_worker_loads_the_targets_weights_only_to_recompute(family_fast_mapp
     from kvbridge.core.mapper_config import read_config
     from kvbridge.core.models import RopeOnly
     from kvbridge.serving import ServeConfig
-    from kvbridge.serving.engine.connector import target_copy
+    from kvbridge.serving.engine.target_worker import target_copy
 
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path())
     runtime = read_config(family_fast_mapper).runtime

@@ -81,7 +81,7 @@ def test_one_workers_failed_map_makes_the_request_native_on_every_worker(engine)
 def test_each_worker_holds_the_heads_vllm_gives_it(monkeypatch, heads, workers, expected):
     import vllm.distributed
 
-    from kvbridge.serving.engine.connector import worker_heads
+    from kvbridge.serving.engine.target_worker import worker_heads
 
     for rank, want in enumerate(expected):
         monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda rank=rank: rank)

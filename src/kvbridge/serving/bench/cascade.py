@@ -254,7 +254,7 @@ async def _settled(url: str, before: dict[str, float], timeout_s: float = 5.0) -
 
 
 def _read_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """ms by phase (:data:`kvbridge.serving.engine.connector.PHASES`) of the connector's store reads between two
+    """ms by phase (:data:`kvbridge.serving.engine.target_messages.PHASES`) of the connector's store reads between two
     scrapes."""
     out = {}
     for key, value in after.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 # the escalated turn's ways (cascade-bench's help says what each is); the lmcache way runs through a second pair
 WAYS = ("native", "warm", "folder", "whole", "remap", "cold", "prewarmed")
 LMCACHE = "lmcache"  # the way through a second pair whose source stores through LMCache (cascade-bench --lmcache)
-# the connector's phases (kvbridge.serving.engine.connector.PHASES; not imported: that module imports vLLM)
+# the connector's phases (kvbridge.serving.engine.target_messages.PHASES; not imported: that module imports vLLM)
 PHASES = ("connect", "lookup", "retrieve", "decode", "check", "read", "map", "write")
 
 

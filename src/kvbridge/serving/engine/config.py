@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -279,16 +280,43 @@ def request_hold_back(params: Any) -> int | None:
     return value
 
 
-def request_use_store(params: Any) -> bool | str:
-    """A request's ``kv_transfer_params.kvbridge_store``: True (what it sets when it sets none: the store's entries,
+class StoreUse(Enum):
+    """What of the source engine's KV store a mapped request's load may read (``kv_transfer_params.kvbridge_store``,
+    parsed once by :func:`request_use_store`)."""
+
+    ON = "on"  # true (the default): the store's entries, blocks mapped ahead read, from memory where loaded
+    FOLDER = "folder"  # "folder": blocks mapped ahead read from the store's folder (a comparison with the memory tier)
+    SOURCE = "source"  # "source": the stored source K/V only, mapped at the switch (a comparison with map-ahead)
+    OFF = "off"  # false: a fresh source prefill even when the store holds the prefix (the cold path)
+
+    @property
+    def reads_store(self) -> bool:
+        """Whether the load consults the store (its folder or LMCache) at all."""
+        return self is not StoreUse.OFF
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the load reads the blocks the source engine mapped ahead."""
+        return self in (StoreUse.ON, StoreUse.FOLDER)
+
+    @property
+    def from_memory(self) -> bool:
+        """Whether blocks mapped ahead are read from the connector's memory where it loaded them."""
+        return self is StoreUse.ON
+
+
+def request_use_store(params: Any) -> StoreUse:
+    """A request's ``kv_transfer_params.kvbridge_store``: true (what it sets when it sets none: the store's entries,
     blocks mapped ahead read, from memory where the connector loaded them), ``"folder"`` (those blocks read from the
     store's folder: a comparison with the memory tier), ``"source"`` (the stored source K/V only, mapped at the
-    switch: a comparison with map-ahead) or False (a fresh source prefill even when the store holds the prefix — the
-    cold path); InputError for anything else."""
+    switch: a comparison with map-ahead) or false (a fresh source prefill even when the store holds the prefix — the
+    cold path), as a :class:`StoreUse`; InputError for anything else."""
     value = params.get(USE_STORE, True) if isinstance(params, dict) else True
     if not isinstance(value, bool) and value not in ("source", "folder"):
         raise InputError(f'kv_transfer_params.{USE_STORE} must be true, false, "folder" or "source", not {value!r}.')
-    return value
+    if isinstance(value, bool):
+        return StoreUse.ON if value else StoreUse.OFF
+    return StoreUse(value)
 
 
 def request_native_rest(params: Any, name: str = f"kv_transfer_params.{NATIVE_REST}") -> int | None:
