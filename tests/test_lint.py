@@ -144,7 +144,7 @@ def test_the_layers_see_absolute_imports(tmp_path, monkeypatch):
 # benchmarks, the command line, and the measurements that fit mappers (demo, frontier, gap)
 ENGINE = {f"kvbridge.serving.engine.{m}" for m in (
     "config", "connector", "target_setup", "target_messages", "target_metrics", "target_scheduler", "target_worker",
-    "producer", "middleware", "idle")} | {
+    "producer", "source_setup", "source_scheduler", "source_worker", "source_writer", "middleware", "idle")} | {
     f"kvbridge.serving.store.{m}" for m in ("folder", "hot", "prewarm", "lmcache_store")}
 ABOVE_ENGINE = {f"kvbridge.serving.bench.{m}" for m in ("ttft", "cascade", "quality", "load", "lmcache_probe")} | {
     "kvbridge.serving.launch", "kvbridge.cli", "kvbridge.measure.demo", "kvbridge.measure.frontier",

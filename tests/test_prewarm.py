@@ -172,12 +172,10 @@ def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
 
     if vllm_ready() and not os.environ.get("CI"):
         pytest.skip(vllm_ready())  # CI installs vLLM: there a missing one fails
-    from kvbridge.serving.engine.producer import KVBridgeSourceConnector
+    from kvbridge.serving.engine.source_scheduler import wants_prewarm
 
     def asks(params, default: bool) -> bool:
-        connector = SimpleNamespace(config=SimpleNamespace(prewarm=default))
-        request = SimpleNamespace(kv_transfer_params=params, request_id="r")
-        return KVBridgeSourceConnector._wants_prewarm(connector, request)
+        return wants_prewarm(SimpleNamespace(kv_transfer_params=params, request_id="r"), default)
 
     assert asks({"kvbridge_prewarm": True}, False) and not asks({"kvbridge_prewarm": False}, True)
     assert asks(None, True) and asks({}, True) and not asks(None, False)
@@ -194,12 +192,10 @@ def test_a_source_request_can_stay_out_of_the_store():
 
     if vllm_ready() and not os.environ.get("CI"):
         pytest.skip(vllm_ready())
-    from kvbridge.serving.engine.producer import KVBridgeSourceConnector
+    from kvbridge.serving.engine.source_scheduler import KVBridgeSourceScheduler
 
-    connector = SimpleNamespace(_requests={})
-    connector._wants_store = lambda request: KVBridgeSourceConnector._wants_store(connector, request)
+    scheduler = KVBridgeSourceScheduler(SimpleNamespace(block_size=16, identity="source", config=None))
     for rid, params in (("a", None), ("b", {"kvbridge_store": True}), ("c", {"kvbridge_store": False}),
                         ("d", {"kvbridge_store": "no"}), ("e", {"kvbridge_prewarm": False, "kvbridge_store": False})):
-        KVBridgeSourceConnector.update_state_after_alloc(
-            connector, SimpleNamespace(kv_transfer_params=params, request_id=rid), [], 0)
-    assert sorted(connector._requests) == ["a", "b", "d"]
+        scheduler.update_state_after_alloc(SimpleNamespace(kv_transfer_params=params, request_id=rid), [], 0)
+    assert sorted(scheduler._requests) == ["a", "b", "d"]
