@@ -310,9 +310,8 @@ class KVBridgeWorker:
         map needs nothing else (no target recompute); None otherwise."""
         from ..store.folder import all_finite
 
-        # (blocks from memory were checked finite when loaded; checked again, as the folder's are: without any torch
-        # op before them, the cache writes from memory stalled in 8 of 16 turns on the 2-core machine,
-        # cascade-memory-plain-shuffled.json)
+        # (blocks from memory were checked finite when loaded; checked again, as the folder's are: without a torch op
+        # on them before the cache writes, those writes stalled on a CPU engine, about half the time)
         if ahead.tokens != tokens or self.bridge.runs_target or not all(
                 all_finite((k, v)) for k, v, _, _ in ahead.parts):
             return None
