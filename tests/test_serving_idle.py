@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 
@@ -11,8 +14,6 @@ def test_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
     at all once its queue backs up), and the threads' torch work runs on one OpenMP thread of their own, leaving the
     engine's setting as it was."""
     import threading
-
-    import torch
 
     from kvbridge.serving.engine import idle
 
@@ -34,18 +35,24 @@ def test_background_threads_wait_for_an_idle_engine_and_keep_to_one_thread():
     clock.wait(start, lambda: True)  # its queue backs up: at once, step or not
     assert time.monotonic() - start < 0.5
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # so that one thread is a change (the suite may run with one)
-    try:
-        seen = []
-        for limit in (True, False):  # a thread that limits itself, and one that does not
-            thread = threading.Thread(target=lambda limit=limit: (limit and idle.single_threaded(),
-                                                                  seen.append(torch.get_num_threads())))
-            thread.start()
-            thread.join()
-        assert seen == [1, 2] and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    # the thread counts in a fresh interpreter: an engine built in this process earlier (the test session may hold
+    # one) leaves its own OpenMP settings behind
+    probe = """
+import threading, torch
+from kvbridge.serving.engine import idle
+torch.set_num_threads(2)  # so that one thread is a change
+seen = []
+for limit in (True, False):  # a thread that limits itself, and one that does not
+    thread = threading.Thread(target=lambda limit=limit: (limit and idle.single_threaded(),
+                                                          seen.append(torch.get_num_threads())))
+    thread.start()
+    thread.join()
+print(seen, torch.get_num_threads())
+"""
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "[1, 2] 2", run.stdout
 
 
 def test_a_journal_poll_backs_off_while_idle_and_returns_at_once_on_news():
