@@ -174,7 +174,9 @@ def _run_modes(bridge, tasks, modes, fewshot, limit, batch_size, folder, rolling
     groups: dict[int | None, list[str]] = {}
     for task in tasks:
         groups.setdefault(fewshot.get(task), []).append(task)
-    manager = TaskManager(include_path=str(folder))
+    # lm-eval indexes its thousands of bundled tasks only when one is asked for (about 10 s a call otherwise)
+    local = {path.stem for path in folder.glob("*.yaml")}
+    manager = TaskManager(include_path=str(folder), include_defaults=not set(tasks) <= local)
     out = {}
     for mode in modes:
         lm = KVBridgeLM.from_bridge(bridge, mode=mode, batch_size=batch_size, rolling_chunk=rolling_chunk)
