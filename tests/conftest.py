@@ -6,6 +6,7 @@ They go through exactly the loading path of hub checkpoints (``save_pretrained``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -187,6 +188,7 @@ def family_fast_mapper(tmp_path_factory):
     return str(out)
 
 
+@functools.cache
 def vllm_ready() -> str | None:
     """Why vLLM cannot run here (None: it can): the serving tests need `pip install "kvbridge[serve]"`."""
     try:
@@ -194,6 +196,25 @@ def vllm_ready() -> str | None:
     except Exception as exc:  # an import error, or torchvision's operator error beside a CPU torch
         return f"vLLM does not import: {exc}"
     return None
+
+
+@functools.cache
+def lmcache_ready() -> str | None:
+    """Why LMCache cannot run here (None: it can); it needs vLLM too."""
+    try:
+        import lmcache  # noqa: F401
+    except Exception as exc:
+        return f"lmcache does not import: {exc}"
+    return vllm_ready()
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``vllm`` (or ``lmcache``) is skipped where that stack does not import, except in CI, which
+    installs it (the serve extra): there it fails. Checked when such a test first runs, not at collection: importing
+    vLLM takes seconds, and a worker that runs none of these tests never pays for it."""
+    for name, ready in (("vllm", vllm_ready), ("lmcache", lmcache_ready)):
+        if item.get_closest_marker(name) is not None and ready() and not os.environ.get("CI"):
+            pytest.skip(ready())
 
 
 def in_process_llm(**kwargs):

@@ -1,36 +1,30 @@
 """The target connector's two sides without an engine: what they send each other survives pickling (vLLM ships it
 between processes), two tensor-parallel workers' reports combine, and the scheduler's bookkeeping per request gives
-the response's kv_transfer_params and the stats (the engine tests run them inside vLLM)."""
+the response's kv_transfer_params and the stats (the engine tests run them inside vLLM). The connector's modules are
+imported by the tests, not at collection: they import vLLM, which takes seconds."""
 
-import os
 import pickle
 from types import SimpleNamespace
 
 import pytest
-from conftest import vllm_ready
 
-if vllm_ready() and not os.environ.get("CI"):
-    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+from kvbridge.errors import InputError
 
-from kvbridge.errors import InputError  # noqa: E402
-from kvbridge.serving.engine.config import ServeConfig, StoreUse, request_use_store  # noqa: E402
-from kvbridge.serving.engine.connector import KVBridgeConnector  # noqa: E402
-from kvbridge.serving.engine.target_messages import (  # noqa: E402
-    KVBridgeMetadata,
-    KVBridgeWorkerMetadata,
-    Load,
-    LoadOutcome,
-)
-from kvbridge.serving.engine.target_metrics import KVBridgeStats  # noqa: E402
-from kvbridge.serving.engine.target_scheduler import KVBridgeScheduler, RequestState  # noqa: E402
-from kvbridge.serving.engine.target_setup import TargetSetup  # noqa: E402
+pytestmark = pytest.mark.vllm  # (skipped where vLLM does not import, except in CI)
 
-A = LoadOutcome("mapped", 10.0, 5, None, 3, 3, 2.0, {"read": 1.0, "map": 4.0})
-B = LoadOutcome("mapped", 12.0, 5, "torn", 3, 1, 3.0, {"read": 2.0, "write": 1.0})
-FAILED = LoadOutcome("fallback: x")
+
+def outcomes():
+    """Two mapped loads' reports and a failed one: (A, B, FAILED)."""
+    from kvbridge.serving.engine.target_messages import LoadOutcome
+
+    return (LoadOutcome("mapped", 10.0, 5, None, 3, 3, 2.0, {"read": 1.0, "map": 4.0}),
+            LoadOutcome("mapped", 12.0, 5, "torn", 3, 1, 3.0, {"read": 2.0, "write": 1.0}),
+            LoadOutcome("fallback: x"))
 
 
 def test_a_request_says_once_what_of_the_store_it_reads():
+    from kvbridge.serving.engine.config import StoreUse, request_use_store
+
     assert request_use_store(None) is StoreUse.ON and request_use_store({"kvbridge_store": False}) is StoreUse.OFF
     assert request_use_store({"kvbridge_store": "folder"}) is StoreUse.FOLDER
     for bad in (1, "yes", None, 0.0):
@@ -43,6 +37,10 @@ def test_a_request_says_once_what_of_the_store_it_reads():
 def test_the_workers_reports_combine_and_survive_pickling():
     """One worker's failure fails the request's load; both mapped: the least read from memory, the slowest writes
     and phases; a request one worker alone reported keeps its report."""
+    from kvbridge.serving.engine.config import StoreUse
+    from kvbridge.serving.engine.target_messages import KVBridgeMetadata, KVBridgeWorkerMetadata, Load, LoadOutcome
+
+    A, B, FAILED = outcomes()
     merged = KVBridgeWorkerMetadata({"r": A, "s": FAILED, "t": A}).aggregate(
         KVBridgeWorkerMetadata({"r": B, "s": A, "t": FAILED, "u": B}))
     merged = pickle.loads(pickle.dumps(merged))
@@ -55,6 +53,10 @@ def test_the_workers_reports_combine_and_survive_pickling():
 
 
 def test_the_stats_add_up_the_reports_and_the_outcomes():
+    from kvbridge.serving.engine.connector import KVBridgeConnector
+    from kvbridge.serving.engine.target_metrics import KVBridgeStats
+
+    A, B, FAILED = outcomes()
     stats = KVBridgeStats()
     stats.add_load(A)
     stats.add_load(B)
@@ -69,6 +71,10 @@ def test_the_stats_add_up_the_reports_and_the_outcomes():
 
 def scheduler():
     """A scheduler with settings of its own (hold-back 2, 100 source positions, prefix caching on, no store)."""
+    from kvbridge.serving.engine.config import ServeConfig
+    from kvbridge.serving.engine.target_scheduler import KVBridgeScheduler
+    from kvbridge.serving.engine.target_setup import TargetSetup
+
     config = ServeConfig(mapper="m", source="s", target="t", min_tokens=4)
     return KVBridgeScheduler(TargetSetup(config, None, 2, 100, 4, True, "kvbridge-ns", 1), None)
 
@@ -82,6 +88,10 @@ BLOCKS = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9],))
 
 
 def test_a_mapped_request_is_planned_once_and_answered_with_its_load():
+    from kvbridge.serving.engine.config import StoreUse
+    from kvbridge.serving.engine.target_messages import KVBridgeWorkerMetadata
+
+    A, B, FAILED = outcomes()
     s = scheduler()
     r = request("a", 10, {"kvbridge": "mapped", "kvbridge_store": "source"})
     assert s.get_num_new_matched_tokens(r, 4) == (4, False)  # every token but the hold-back, past the cache hit
@@ -126,6 +136,10 @@ def test_the_other_outcomes_and_a_fallback_that_sticks():
 
 
 def test_a_second_load_keeps_what_the_first_one_named():
+    from kvbridge.serving.engine.target_messages import LoadOutcome
+    from kvbridge.serving.engine.target_scheduler import RequestState
+
+    A, B, FAILED = outcomes()
     state = RequestState(status="mapped")
     state.report(B)
     state.report(A)

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import vllm_ready
 
-if vllm_ready() and not os.environ.get("CI"):
-    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+pytestmark = pytest.mark.vllm  # (skipped where vLLM does not import, except in CI)
 
 NEW = 12  # greedy tokens per request
 LENGTHS = (64, 130, 256, 300, 700, 1024, 1312, 2000)

@@ -14,25 +14,14 @@ import time
 
 import pytest
 import torch
-from conftest import vllm_ready
 
 from kvbridge.errors import InputError, UnsupportedModelError
+
+pytestmark = pytest.mark.lmcache  # (skipped where LMCache or vLLM does not import, except in CI)
 
 NEW = 12
 BLOCK = 128
 CHUNK = 256
-
-
-def _lmcache_missing() -> str | None:
-    try:
-        import lmcache  # noqa: F401
-    except Exception as exc:
-        return f"lmcache does not import: {exc}"
-    return vllm_ready()
-
-
-if _lmcache_missing() and not os.environ.get("CI"):
-    pytest.skip(_lmcache_missing(), allow_module_level=True)  # CI installs both (the serve extra): there it fails
 
 
 # -- without an engine ----------------------------------------------------------------------------
@@ -200,6 +189,7 @@ def engines(lmcache, family_fast_mapper):
     from kvbridge.serving.launch import cpu_defaults
 
     cpu_defaults()
+    from conftest import in_process_llm
     from vllm import LLM
 
     from kvbridge import family
@@ -212,7 +202,7 @@ def engines(lmcache, family_fast_mapper):
                                  kv_transfer_config=source_transfer_config(url, timeout_s=10.0)))
     config = ServeConfig(mapper=family_fast_mapper, source=family.source_path(), target=family.target_path(),
                          lmcache=url)
-    target = LLM(**engine_kwargs(config, **common))
+    target = in_process_llm(**engine_kwargs(config, **common))  # (one engine in this process at a time)
     yield source, target, config, url
     del source, target
 

@@ -6,15 +6,12 @@ source's server to the target's is mapped from the source's stored KV."""
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 
 import pytest
-from conftest import vllm_ready
 
-if vllm_ready() and not os.environ.get("CI"):
-    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+pytestmark = pytest.mark.vllm  # (skipped where vLLM does not import, except in CI)
 
 STARTUP_S = 240
 
@@ -206,18 +203,13 @@ def test_the_escalation_benchmark_reads_what_the_servers_did(servers):
     assert "Prewarmed (the source asked" in cascade_table(report)
 
 
+@pytest.mark.lmcache
 def test_the_escalation_benchmark_through_lmcache(servers, family_fast_mapper, tmp_path):
     """`kvbridge cascade-bench` with the lmcache way, run by the command line against the running folder pair and a
     second pair sharing an LMCache server (tiny: two conversations, 4 tokens each): every escalated answer through
     LMCache is the cold path's at the same split, the stored chunks were read (not mapped from a source prefill),
     where the loads' time went is reported by phase, LMCache minus folder is paired per conversation, and the report
     tables again from its file."""
-    try:
-        import lmcache  # noqa: F401
-    except Exception as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"lmcache does not import: {exc}")
     from kvbridge.cli import main
     from kvbridge.serving.bench.cascade import launched_pair
     from kvbridge.serving.store.lmcache_store import start_server, stop_server

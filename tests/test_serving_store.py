@@ -9,14 +9,11 @@ are refused, counted, and the cold path answers.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
-from conftest import vllm_ready
 
-if vllm_ready() and not os.environ.get("CI"):
-    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
+pytestmark = pytest.mark.vllm  # (skipped where vLLM does not import, except in CI)
 
 NEW = 12
 CAP = 24 << 20  # bytes: about 28 of the family source's 128-token blocks with their mapped entries (0.85 MB a pair)

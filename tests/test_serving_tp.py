@@ -7,12 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import vllm_ready
+from test_serving_engine import prompts, reference, run
 
-if vllm_ready() and not os.environ.get("CI"):
-    pytest.skip(vllm_ready(), allow_module_level=True)  # CI installs vLLM: there a missing one fails
-
-from test_serving_engine import prompts, reference, run  # noqa: E402
+pytestmark = pytest.mark.vllm  # (skipped where vLLM does not import, except in CI)
 
 
 @pytest.fixture(scope="module")
