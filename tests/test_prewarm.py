@@ -162,16 +162,12 @@ def test_a_server_that_does_not_answer_is_counted_not_raised(tmp_path):
     assert prewarmer.failed == 1
 
 
+@pytest.mark.vllm
 def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
     """The source connector's choice per finished request: its kv_transfer_params' kvbridge_prewarm (true or false)
     over the engine's --prewarm; anything else is no prewarm (logged), never an error in the engine."""
-    import os
     from types import SimpleNamespace
 
-    from conftest import vllm_ready
-
-    if vllm_ready() and not os.environ.get("CI"):
-        pytest.skip(vllm_ready())  # CI installs vLLM: there a missing one fails
     from kvbridge.serving.engine.source_scheduler import wants_prewarm
 
     def asks(params, default: bool) -> bool:
@@ -182,16 +178,12 @@ def test_a_source_request_asks_for_prewarm_or_takes_the_engines_default():
     assert not asks({"kvbridge_prewarm": "yes"}, True) and not asks({"kvbridge_prewarm": 1}, True)
 
 
+@pytest.mark.vllm
 def test_a_source_request_can_stay_out_of_the_store():
     """kv_transfer_params kvbridge_store false on a source request: the scheduler side never follows it (nothing
     captured, nothing stored or mapped ahead); absent or true: followed; anything else: followed (logged)."""
-    import os
     from types import SimpleNamespace
 
-    from conftest import vllm_ready
-
-    if vllm_ready() and not os.environ.get("CI"):
-        pytest.skip(vllm_ready())
     from kvbridge.serving.engine.source_scheduler import KVBridgeSourceScheduler
 
     scheduler = KVBridgeSourceScheduler(SimpleNamespace(block_size=16, identity="source", config=None))
